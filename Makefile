@@ -1,0 +1,23 @@
+# Two entry points, both idempotent: `make demo` (the toy pipeline) and `make test` (the suite).
+# The virtual environment is rebuilt only when requirements.txt changes.
+PY := .venv/bin/python
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.venv/installed: requirements.txt
+	python3 -m venv .venv
+	# torch first, alone: the exact pin keeps pip from pulling a newer torch and its CUDA wheels
+	$(PY) -m pip install -q $$(grep '^torch==' requirements.txt)
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -r requirements.txt -c <(grep '^torch==' requirements.txt)
+	touch $@
+
+venv: .venv/installed
+
+demo: venv
+	$(PY) demo.py
+
+test: venv
+	$(PY) -m pytest -q tests
+
+.PHONY: venv demo test
+SHELL := /bin/bash

@@ -1,0 +1,432 @@
+"""Plumbing shared by sft.py, rm.py (and the RL scripts): loading, data, packing, DeepSpeed, saving, logging.
+
+Nothing here is an algorithm: losses, value heads and rollouts live in the scripts that use them.
+"""
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import socket
+from pathlib import Path
+
+import numpy as np
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # what DeepSpeed would pick anyway, minus a warning
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import deepspeed  # noqa: E402
+import torch.distributed as dist
+import transformers
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+transformers.logging.set_verbosity_error()
+transformers.logging.disable_progress_bar()
+console = Console(stderr=True)
+
+
+def fail(message):
+    """Stop with a one-line error for the user (bad input), never a traceback from deep inside."""
+    raise SystemExit(f"error: {message}")
+
+
+# ----------------------------------------------------------------------------------------------- args
+def add_common_args(p: argparse.ArgumentParser):
+    """Flags every training script shares (OpenRLHF's names). Scripts set their own defaults."""
+    a = p.add_argument
+    a("--pretrain", default=None, help="model: hub name or local path (default: the toy model)")
+    a("--dataset", default=None, help="hub name, directory, or .json/.jsonl/.parquet/.csv file (default: toy)")
+    a("--dataset_split", default="train")
+    a("--eval_dataset", default=None, help="held-out data, same formats (default: toy test split)")
+    a("--eval_split", default="test")
+    a("--max_samples", type=int, default=None, help="use at most this many training samples")
+    a("--max_len", type=int, default=512, help="truncate sequences to this many tokens")
+    a("--input_key", default="input")
+    a("--apply_chat_template", action="store_true", help="wrap inputs with the tokenizer's chat template")
+    a("--input_template", default=None, help='e.g. "User: {}\\nAssistant: "; ignored with the chat template')
+    a("--packing_samples", action="store_true", help="concatenate a micro-batch into one row, no padding")
+    a("--save_path", default=None, help="where the final Hugging Face directory goes (default: runs/<script>)")
+    a("--micro_train_batch_size", type=int, default=8, help="per-device batch of one forward/backward")
+    a("--train_batch_size", type=int, default=64, help="global batch of one optimizer step")
+    a("--max_epochs", type=int, default=1)
+    a("--learning_rate", type=float, default=1e-5)
+    a("--lr_warmup_ratio", type=float, default=0.03)
+    a("--lr_scheduler", default="cosine_with_min_lr", help="any transformers scheduler name")
+    a("--l2", type=float, default=0.0, help="AdamW weight decay")
+    a("--adam_betas", type=float, nargs=2, default=(0.9, 0.95))
+    a("--max_norm", type=float, default=1.0, help="gradient clipping")
+    a("--seed", type=int, default=42)
+    # model loading
+    a("--bf16", action="store_true", help="bfloat16 weights and DeepSpeed bf16 mode")
+    a("--flash_attn", action="store_true", help="flash_attention_2 (needs the flash-attn package, GPU)")
+    a("--gradient_checkpointing", action="store_true")
+    a("--trust_remote_code", action="store_true", help="run model code from the checkpoint (off by default)")
+    # DeepSpeed
+    a("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
+    a("--adam_offload", action="store_true", help="keep optimizer states on CPU (DeepSpeedCPUAdam)")
+    a("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    # checkpoints and logging
+    a("--save_steps", type=int, default=-1, help="save a resumable checkpoint every N steps (-1: never)")
+    a("--ckpt_path", default=None, help="resumable checkpoints (default: <save_path>/checkpoints)")
+    a("--max_ckpt_num", type=int, default=3, help="keep this many resumable checkpoints")
+    a("--load_checkpoint", action="store_true", help="resume from the latest checkpoint in --ckpt_path")
+    a("--logging_steps", type=int, default=10)
+    a("--use_tensorboard", default=None, metavar="DIR", help="also log to TensorBoard in DIR")
+    a("--use_wandb", action="store_true", help="also log to Weights & Biases (WANDB_MODE=offline works)")
+    a("--wandb_project", default="rlhf-minimal")
+    a("--wandb_run_name", default=None)
+    return p
+
+
+def parse_args(parser, toy_defaults):
+    """Parse; with no --dataset the toy world is built (if missing) and `toy_defaults(root)` supplies
+    its data and calibrated hyperparameters, each still overridable on the command line.
+    Without --pretrain the model is the toy one."""
+    args = parser.parse_args()
+    if args.dataset is None or args.pretrain is None:
+        import toy
+        root = toy.ensure_toy_world()
+        parser.set_defaults(pretrain=str(root / "model"), **(toy_defaults(root) if args.dataset is None else {}))
+        args = parser.parse_args()
+    args.ckpt_path = args.ckpt_path or str(Path(args.save_path) / "checkpoints")
+    return args
+
+
+# ---------------------------------------------------------------------------------------- distributed
+def init_distributed(args):
+    """Works under `deepspeed`, `torchrun` and plain `python` (then as a world of one)."""
+    if "RANK" not in os.environ:  # plain python: be rank 0 of 1 instead of falling back to MPI
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    elif "OMP_NUM_THREADS" not in os.environ:  # the deepspeed launcher leaves every rank all cores
+        per_rank = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_rank))
+    set_seed(args.seed)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def set_seed(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def is_rank0():
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def all_reduce_sum(values):
+    """Sum a list of floats over ranks (metrics: counts, loss sums)."""
+    t = torch.tensor(values, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def ds_config(args):
+    world = dist.get_world_size()
+    if args.train_batch_size % (args.micro_train_batch_size * world):
+        fail(f"--train_batch_size {args.train_batch_size} is not a multiple of --micro_train_batch_size "
+             f"{args.micro_train_batch_size} x {world} processes")
+    zero = {"stage": args.zero_stage, "stage3_gather_16bit_weights_on_model_save": True}
+    if args.adam_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_batch_size": args.train_batch_size,
+        "train_micro_batch_size_per_gpu": args.micro_train_batch_size,
+        "gradient_accumulation_steps": args.train_batch_size // (args.micro_train_batch_size * world),
+        "gradient_clipping": args.max_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": args.bf16},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def setup_deepspeed(model, args, config, num_training_steps):
+    """AdamW (torch's: no op to compile) + warm-up/decay schedule, wrapped by a DeepSpeed engine."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if args.adam_offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        optimizer = DeepSpeedCPUAdam(params, lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.l2)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.l2)
+    scheduler = transformers.get_scheduler(
+        args.lr_scheduler, optimizer, num_warmup_steps=int(args.lr_warmup_ratio * num_training_steps),
+        num_training_steps=num_training_steps,
+        scheduler_specific_kwargs={"min_lr_rate": 0.1} if args.lr_scheduler == "cosine_with_min_lr" else None,
+    )
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    return engine
+
+
+# ------------------------------------------------------------------------------------- model loading
+_hf_ds_config = None  # must outlive from_pretrained so ZeRO-3 loads partitioned weights
+
+
+def load_tokenizer(path, args):
+    check_model_path(path)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as e:
+        fail(f"cannot load tokenizer {path!r}: {str(e).splitlines()[0]}")
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        # HF sequence classifiers find the scored token by pad id: pad must differ from the appended eos.
+        if tokenizer.unk_token_id is not None and tokenizer.unk_token_id != tokenizer.eos_token_id:
+            tokenizer.pad_token = tokenizer.unk_token
+        else:
+            tokenizer.add_special_tokens({"pad_token": "<pad>"})
+    return tokenizer
+
+
+def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.AutoModelForCausalLM, **kwargs):
+    """from_pretrained with our flags; under ZeRO-3 the weights load already partitioned."""
+    global _hf_ds_config
+    check_model_path(path)
+    if ds_cfg is not None and ds_cfg["zero_optimization"]["stage"] == 3:
+        _hf_ds_config = transformers.integrations.HfDeepSpeedConfig(ds_cfg)
+    if args.flash_attn:
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            fail("--flash_attn needs the flash-attn package (GPU only): pip install flash-attn")
+    try:
+        model = model_class.from_pretrained(
+            path, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+            attn_implementation="flash_attention_2" if args.flash_attn else "sdpa",
+            trust_remote_code=args.trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        fail(f"cannot load model {path!r}: {str(e).splitlines()[0]}")
+    if len(tokenizer) > model.config.vocab_size:  # a pad token was added
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def check_model_path(path):
+    """A local path that is missing fails here; anything shaped like a hub name ("org/name") is tried."""
+    p = str(path)
+    if not Path(p).expanduser().exists() and (p.startswith((".", "/", "~")) or p.count("/") > 1):
+        fail(f"model path not found: {path}")
+
+
+# ---------------------------------------------------------------------------------------------- data
+def load_records(source, split="train", required_keys=(), max_samples=None):
+    """A list of dict records from a .jsonl/.json/.parquet/.csv file, a saved dataset dir or a hub name.
+    JSON lines are parsed here, so a malformed line is reported by number."""
+    import datasets
+
+    path = Path(source)
+    if path.suffix in (".jsonl", ".json") and path.is_file():
+        text = path.read_text()
+        if text.lstrip().startswith("["):
+            try:
+                records = json.loads(text)
+            except json.JSONDecodeError as e:
+                fail(f"{source}: invalid JSON at line {e.lineno}: {e.msg}")
+        else:
+            records = []
+            for i, line in enumerate(text.splitlines(), start=1):
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        fail(f"{source}: line {i} is not valid JSON ({e.msg})")
+        where = lambda i: f"{source}: line {i + 1}" if path.suffix == ".jsonl" else f"{source}: record {i}"  # noqa
+    else:
+        try:
+            if path.suffix in (".parquet", ".csv") and path.is_file():
+                ds = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train")
+            elif (path / "dataset_info.json").exists() or (path / "state.json").exists():
+                ds = datasets.load_from_disk(str(path))
+            else:
+                ds = datasets.load_dataset(str(source), split=split)
+        except Exception as e:  # datasets raises many kinds; the user needs the first line only
+            fail(f"cannot load dataset {source!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        records = ds.to_list()
+        where = lambda i: f"{source}: record {i}"  # noqa
+    if not records:
+        fail(f"dataset {source} is empty")
+    records = records[:max_samples] if max_samples else records
+    for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            fail(f"{where(i)}: expected a JSON object, got {type(r).__name__}")
+        for key in required_keys:
+            if r.get(key) is None:
+                fail(f"{where(i)}: missing key {key!r} (keys: {', '.join(r) or 'none'}); "
+                     f"set the matching --*_key flag")
+    return records
+
+
+def format_prompt(raw, tokenizer, args):
+    """The prompt text: chat template (generation prompt added), or --input_template, or as is."""
+    if args.apply_chat_template:
+        messages = raw if isinstance(raw, list) else [{"role": "user", "content": raw}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return args.input_template.format(raw) if args.input_template else raw
+
+
+def train_batches(num_samples, args, start_step=0):
+    """Yield (step, epoch, micro-batches of sample indices for this rank), resumable at any step.
+    Each epoch is a seeded permutation, so the data position is just the step number."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps_per_epoch = num_samples // args.train_batch_size
+    for step in range(start_step, steps_per_epoch * args.max_epochs):
+        epoch, k = divmod(step, steps_per_epoch)
+        perm = torch.randperm(num_samples, generator=torch.Generator().manual_seed(args.seed + epoch))
+        mine = perm[k * args.train_batch_size:(k + 1) * args.train_batch_size][rank::world].tolist()
+        m = args.micro_train_batch_size
+        yield step, epoch, [mine[i:i + m] for i in range(0, len(mine), m)]
+
+
+def eval_batches(num_samples, batch_size):
+    """This rank's share of range(num_samples), in batches. Every rank gets the same number of batches
+    (a ZeRO-3 forward needs all ranks); the shortfall is filled with -1, a filler the caller skips."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = -(-num_samples // world)
+    mine = list(range(rank, num_samples, world))
+    mine += [-1] * (per_rank - len(mine))
+    return [mine[i:i + batch_size] for i in range(0, per_rank, batch_size)]
+
+
+def batch_sequences(seqs, pad_value, packing):
+    """1-D LongTensors -> input tensor plus position_ids and attention mask.
+    padded: [B, T] right-padded, mask 1 on real tokens. packed: [1, sum(T_i)], position_ids restarting
+    at 0 for every sequence and no mask (transformers finds the boundaries from position_ids; the
+    forward must run with use_cache=False or the boundaries are lost)."""
+    if packing:
+        ids = torch.cat(seqs)[None]
+        pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+        return ids, None, pos
+    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_value)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, pos
+
+
+# ---------------------------------------------------------------------------------- saving / resume
+def save_hf_model(engine, tokenizer, path, args, extra_config=None):
+    """Write a plain Hugging Face directory (ZeRO-3 shards gathered on rank 0), atomically:
+    into a temporary directory first, then renamed into place, so a crash never leaves half a model."""
+    model = engine.module
+    state = {}
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if name not in model.state_dict():
+            continue  # non-persistent buffers (rotary tables)
+        with deepspeed.zero.GatheredParameters([tensor], enabled=args.zero_stage == 3):
+            if is_rank0():
+                state[name] = tensor.detach().cpu().clone()
+    if is_rank0():
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        for key, value in (extra_config or {}).items():
+            setattr(model.config, key, value)
+        model.save_pretrained(tmp, state_dict=dict(state))  # save_pretrained empties the dict it is given
+        tokenizer.save_pretrained(tmp)
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def save_checkpoint(engine, args, step):
+    """Resumable state: model, optimizer, scheduler (DeepSpeed), data position (step) and each rank's RNG.
+    DeepSpeed writes the 'latest' pointer last, so a kill mid-save resumes from the previous checkpoint."""
+    tag = f"global_step{step}"
+    tag_dir = Path(args.ckpt_path) / tag
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    torch.save(rng, tag_dir / f"rng_rank{dist.get_rank()}.pt")
+    engine.save_checkpoint(args.ckpt_path, tag=tag, client_state={"step": step})
+    if is_rank0():
+        old = sorted(Path(args.ckpt_path).glob("global_step*"), key=lambda p: int(p.name[len("global_step"):]))
+        for p in old[:-args.max_ckpt_num]:
+            shutil.rmtree(p, ignore_errors=True)
+    dist.barrier()
+
+
+def load_checkpoint(engine, args):
+    """Resume from the latest checkpoint in --ckpt_path; returns the step to continue from (0 if none)."""
+    if not args.load_checkpoint or not (Path(args.ckpt_path) / "latest").exists():
+        return 0
+    load_path, client_state = engine.load_checkpoint(args.ckpt_path)
+    if load_path is None:
+        fail(f"could not load the checkpoint in {args.ckpt_path}")
+    rng = torch.load(Path(load_path) / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    if is_rank0():
+        console.print(f"resumed from {load_path} at step {client_state['step']}")
+    return client_state["step"]
+
+
+# --------------------------------------------------------------------------------------------- logging
+class Logger:
+    """A rich progress bar on rank 0, plus TensorBoard / wandb when asked; metrics are already reduced."""
+
+    def __init__(self, args, total_steps, start_step=0):
+        self.args, self.rank0, self.tb, self.wandb = args, is_rank0(), None, None
+        if not self.rank0:
+            return
+        if args.use_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(args.use_tensorboard)
+        if args.use_wandb:
+            import wandb
+            self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_run_name, config=vars(args))
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"), console=console)
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, metrics="")
+        self.progress.start()
+
+    def log(self, step, metrics, prefix="train"):
+        if not self.rank0:
+            return
+        text = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+        if prefix == "train":
+            self.progress.update(self.task, completed=step, metrics=text)
+        if prefix != "train" or step % self.args.logging_steps == 0:
+            self.progress.console.print(f"{prefix} step {step}: {text}", markup=False)
+        for k, v in metrics.items():
+            if self.tb:
+                self.tb.add_scalar(f"{prefix}/{k}", v, step)
+        if self.wandb:
+            self.wandb.log({f"{prefix}/{k}": v for k, v in metrics.items()}, step=step)
+
+    def close(self):
+        if self.rank0:
+            self.progress.stop()
+            if self.tb:
+                self.tb.close()
+            if self.wandb:
+                self.wandb.finish()
+
+
+def write_results(path, results):
+    """eval_results.json beside the saved model: the figures the demo table reads."""
+    if is_rank0():
+        results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "eval_results.json").write_text(json.dumps(results, indent=2) + "\n")
+

@@ -1,0 +1,188 @@
+"""Reward model: a scalar score per sequence, trained on preference pairs with the Bradley-Terry loss.
+
+    python rm.py                                    # the toy world: starts from the toy SFT model
+    deepspeed --num_gpus 8 rm.py --pretrain ./runs/sft --dataset prefs.jsonl --input_key prompt \\
+        --chosen_key chosen --rejected_key rejected --apply_chat_template --zero_stage 3 --bf16 \\
+        --learning_rate 9e-6 --packing_samples
+
+The model is a stock `AutoModelForSequenceClassification` (num_labels=1): its `score` head, a linear
+layer over the last hidden state, gives a reward at every position, and the reward of a sequence is the
+one at its last token, which we make an EOS. The saved directory loads with stock `from_pretrained` and
+scores the same; its config also carries the eval reward `mean` and `std` (for --normalize_reward in RL).
+
+Data: `input` (prompt, string or chat messages; `--input_key ''` when chosen/rejected hold the whole
+text), `chosen` and `rejected` (responses), and optionally a per-pair margin (`--margin_key`).
+"""
+
+import argparse
+import math
+import time
+
+import deepspeed
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForSequenceClassification
+
+import common
+
+
+def pairwise_loss(chosen_rewards, rejected_rewards, margin=None):
+    """Bradley-Terry negative log-likelihood that chosen beats rejected, optionally by a margin m:
+    mean(-log σ(r_chosen - r_rejected - m)). Rewards [B], margin [B] or None."""
+    diff = chosen_rewards - rejected_rewards
+    if margin is not None:
+        diff = diff - margin
+    return -F.logsigmoid(diff).mean()
+
+
+def last_token_index(attention_mask=None, seq_lens=None):
+    """Where each sequence's reward is read: its last real token.
+    Padded [B, T] rows: the last 1 of the attention mask (left or right padding alike, and never the pad
+    id, which may equal a real token). Packed rows: the end of each sequence, from the lengths."""
+    if seq_lens is not None:
+        return torch.tensor(seq_lens).cumsum(0) - 1
+    T = attention_mask.size(1)
+    return T - 1 - attention_mask.flip(-1).argmax(-1)
+
+
+def sequence_rewards(model, input_ids, attention_mask, position_ids, seq_lens=None):
+    """The value head, visible: score(hidden state) at every position, read at each sequence's last token.
+    -> [B] for padded input, [num sequences] for a packed row."""
+    backbone = getattr(model, model.base_model_prefix)  # e.g. model.model for Llama/Qwen
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False).last_hidden_state  # [B, T, H]
+    values = model.score(hidden).squeeze(-1)  # [B, T]: a reward at every position
+    index = last_token_index(attention_mask, seq_lens).to(values.device)
+    if seq_lens is not None:
+        return values[0, index].float()
+    return values.gather(1, index[:, None]).squeeze(1).float()
+
+
+def tokenize_response(record, key, tokenizer, args):
+    """prompt + response, truncated to --max_len, always ending in EOS: the token the reward is read at."""
+    prompt = record[args.input_key] if args.input_key else None
+    if args.apply_chat_template:
+        messages = ([] if prompt is None else prompt if isinstance(prompt, list) else
+                    [{"role": "user", "content": prompt}])
+        response = record[key]
+        messages += response if isinstance(response, list) else [{"role": "assistant", "content": response}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False).rstrip()  # drop "\n" after eos
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        text = ("" if prompt is None else common.format_prompt(prompt, tokenizer, args)) + str(record[key])
+        ids = tokenizer(text)["input_ids"]
+    if not ids or ids[-1] != tokenizer.eos_token_id:
+        ids.append(tokenizer.eos_token_id)
+    if len(ids) > args.max_len:  # keep the start, and put EOS back as the last token
+        ids = ids[:args.max_len - 1] + [tokenizer.eos_token_id]
+    return torch.tensor(ids)
+
+
+def pair_rewards(model, chosen, rejected, pad_id, packing, device):
+    """Chosen and rejected in one forward: [chosen..., rejected...] -> (chosen_rewards, rejected_rewards)."""
+    seqs = chosen + rejected
+    ids, mask, pos = common.batch_sequences(seqs, pad_id, packing)
+    rewards = sequence_rewards(model, ids.to(device), None if mask is None else mask.to(device),
+                               pos.to(device), [len(s) for s in seqs] if packing else None)
+    return rewards[:len(chosen)], rewards[len(chosen):]
+
+
+@torch.no_grad()
+def evaluate(engine, data, tokenizer, args):
+    """Pair accuracy (chosen scored higher), loss, and the mean/std of all rewards."""
+    model = engine.module
+    model.eval()
+    n = correct = loss_sum = r_sum = r_sq = 0.0
+    for idx in common.eval_batches(len(data), args.micro_train_batch_size):
+        real = torch.tensor([j >= 0 for j in idx])  # fillers keep ZeRO-3 ranks in step, and are not counted
+        chosen, rejected = pair_rewards(model, [data[max(j, 0)][0] for j in idx],
+                                        [data[max(j, 0)][1] for j in idx], tokenizer.pad_token_id, False,
+                                        engine.device)
+        chosen, rejected = chosen.cpu()[real], rejected.cpu()[real]
+        n += len(chosen)
+        correct += (chosen > rejected).sum().item()
+        loss_sum += -F.logsigmoid(chosen - rejected).sum().item()
+        r_sum += (chosen.sum() + rejected.sum()).item()
+        r_sq += (chosen.pow(2).sum() + rejected.pow(2).sum()).item()
+    n, correct, loss_sum, r_sum, r_sq = common.all_reduce_sum([n, correct, loss_sum, r_sum, r_sq])
+    model.train()
+    mean = r_sum / (2 * n)
+    return {"acc": correct / n, "loss": loss_sum / n, "reward_mean": mean,
+            "reward_std": math.sqrt(max(r_sq / (2 * n) - mean**2, 0.0))}
+
+
+def main():
+    parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser.add_argument("--chosen_key", default="chosen")
+    parser.add_argument("--rejected_key", default="rejected")
+    parser.add_argument("--margin_key", default=None, help="optional per-pair margin in the loss")
+    parser.add_argument("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: at the end)")
+    parser.set_defaults(save_path="runs/rm", learning_rate=9e-6)
+    args = common.parse_args(parser, lambda root: dict(
+        dataset=str(root / "pref_train.jsonl"), eval_dataset=str(root / "pref_test.jsonl"),
+        learning_rate=3e-4, lr_warmup_ratio=0.1, train_batch_size=64, micro_train_batch_size=32,
+        max_epochs=2, max_len=32))
+    common.init_distributed(args)
+    start = time.time()
+
+    tokenizer = common.load_tokenizer(args.pretrain, args)
+    keys = [k for k in (args.input_key, args.chosen_key, args.rejected_key, args.margin_key) if k]
+
+    def tokenize(records):
+        return [(tokenize_response(r, args.chosen_key, tokenizer, args),
+                 tokenize_response(r, args.rejected_key, tokenizer, args),
+                 float(r[args.margin_key]) if args.margin_key else 0.0) for r in records]
+
+    train = tokenize(common.load_records(args.dataset, args.dataset_split, keys, args.max_samples))
+    if len(train) < args.train_batch_size:
+        common.fail(f"{args.dataset}: {len(train)} pairs, fewer than --train_batch_size")
+    eval_data = tokenize(common.load_records(args.eval_dataset, args.eval_split, keys)) if args.eval_dataset else []
+
+    cfg = common.ds_config(args)
+    model = common.load_model(args.pretrain, args, tokenizer, cfg, AutoModelForSequenceClassification, num_labels=1)
+    if not any(a.endswith("ForSequenceClassification") for a in AutoConfig.from_pretrained(
+            args.pretrain, trust_remote_code=args.trust_remote_code).architectures or []):
+        # a new head on a causal LM: small init, std 1/sqrt(H+1), so the first rewards are near 0
+        with deepspeed.zero.GatheredParameters([model.score.weight], modifier_rank=0, enabled=args.zero_stage == 3):
+            torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.config.hidden_size + 1))
+    total_steps = len(train) // args.train_batch_size * args.max_epochs
+    engine = common.setup_deepspeed(model, args, cfg, total_steps)
+    start_step = common.load_checkpoint(engine, args)
+    logger = common.Logger(args, total_steps, start_step)
+
+    for step, epoch, micro_batches in common.train_batches(len(train), args, start_step):
+        t0, stats = time.time(), []
+        for idx in micro_batches:
+            chosen, rejected = pair_rewards(engine, [train[i][0] for i in idx], [train[i][1] for i in idx],
+                                            tokenizer.pad_token_id, args.packing_samples, engine.device)
+            margin = torch.tensor([train[i][2] for i in idx], device=engine.device) if args.margin_key else None
+            loss = pairwise_loss(chosen, rejected, margin)
+            engine.backward(loss)
+            engine.step()
+            stats.append([loss.item(), (chosen > rejected).float().mean().item(), (chosen - rejected).mean().item()])
+        loss, acc, gap = common.all_reduce_sum(torch.tensor(stats).mean(0).tolist())
+        world = dist.get_world_size()
+        logger.log(step + 1, {"loss": loss / world, "acc": acc / world, "reward_gap": gap / world,
+                              "lr": engine.get_lr()[0], "pairs_per_s": args.train_batch_size / (time.time() - t0),
+                              "epoch": epoch})
+        if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
+            common.save_checkpoint(engine, args, step + 1)
+        if eval_data and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0:
+            logger.log(step + 1, evaluate(engine, eval_data, tokenizer, args), prefix="eval")
+    logger.close()
+
+    results, extra = {"train_time_s": time.time() - start, "steps": total_steps}, {}
+    if eval_data:
+        metrics = evaluate(engine, eval_data, tokenizer, args)
+        logger.log(total_steps, metrics, prefix="eval")
+        results.update({f"eval_{k}": v for k, v in metrics.items()})
+        extra = {"mean": metrics["reward_mean"], "std": metrics["reward_std"]}  # OpenRLHF's names
+    common.save_hf_model(engine, tokenizer, args.save_path, args, extra_config=extra)
+    common.write_results(args.save_path, results)
+    if common.is_rank0():
+        common.console.print(f"saved to {args.save_path}: {results}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Nothing can be downloaded here; DeepSpeed runs on its CPU accelerator with gloo.
+os.environ.update(HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
+
+
+@pytest.fixture(scope="session")
+def toy_world(tmp_path_factory):
+    """A fresh toy world for the session (never the developer's ./toy_world), shared by subprocesses."""
+    path = tmp_path_factory.mktemp("toy") / "toy_world"
+    os.environ["TOY_WORLD_DIR"] = str(path)
+    import toy
+
+    return toy.ensure_toy_world(path)
+
+
+def run_script(script, *args, nproc=1, cwd=None, timeout=600, check=True):
+    """Run one of our scripts as a user would: `python script.py` or `torchrun --nproc_per_node N`."""
+    if nproc == 1:
+        cmd = [sys.executable, str(ROOT / script)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--master_port=0", str(ROOT / script)]
+    env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
+    proc = subprocess.run(cmd + [str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc

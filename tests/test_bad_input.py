@@ -1,0 +1,54 @@
+"""Bad input stops with one line naming the file, key or line, never a traceback from deep inside."""
+import json
+
+import pytest
+
+from conftest import run_script
+
+
+def one_line_error(proc):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    return errors[0]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.parametrize("script", ["sft.py", "rm.py"])
+def test_missing_key_names_file_line_and_key(toy_world, tmp_path, script):
+    good = {"input": "1+2=", "output": "3", "chosen": "3", "rejected": "4"}
+    bad = {k: v for k, v in good.items() if k not in ("output", "rejected")}
+    data = write_jsonl(tmp_path / "data.jsonl", [good, good, bad, good])
+    line = one_line_error(run_script(script, "--dataset", data, cwd=tmp_path, check=False))
+    key = "output" if script == "sft.py" else "rejected"
+    assert str(data) in line and "line 3" in line and repr(key) in line
+
+
+def test_malformed_jsonl_line_is_named(toy_world, tmp_path):
+    data = tmp_path / "broken.jsonl"
+    data.write_text('{"input": "1+2=", "output": "3"}\n\n{"input": "2+2=", "output": 4\n')
+    line = one_line_error(run_script("sft.py", "--dataset", data, cwd=tmp_path, check=False))
+    assert str(data) in line and "line 3" in line and "not valid JSON" in line
+
+
+def test_empty_dataset(toy_world, tmp_path):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("")
+    line = one_line_error(run_script("rm.py", "--dataset", data, cwd=tmp_path, check=False))
+    assert str(data) in line and "empty" in line
+
+
+@pytest.mark.parametrize("model", ["./no/such/model", "/no/such/model"])
+def test_nonexistent_model_path(toy_world, tmp_path, model):
+    line = one_line_error(run_script("sft.py", "--pretrain", model, cwd=tmp_path, check=False))
+    assert "model path not found" in line and model in line
+
+
+def test_unknown_hub_model_offline(toy_world, tmp_path):
+    line = one_line_error(run_script("rm.py", "--pretrain", "no-such-org/no-such-model", cwd=tmp_path, check=False))
+    assert "no-such-org/no-such-model" in line

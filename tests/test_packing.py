@@ -1,0 +1,146 @@
+"""Packing and last-token scoring: packed, left-padded and right-padded layouts give what each
+sequence gives alone, and our reward equals stock AutoModelForSequenceClassification's."""
+import argparse
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+import common
+import rm
+import sft
+
+LENGTHS = [3, 7, 1, 12, 5, 9]
+
+
+def toy_args(**kw):
+    args = common.add_common_args(argparse.ArgumentParser()).parse_args([])
+    args.output_key, args.multiturn, args.chosen_key, args.rejected_key = "output", False, "chosen", "rejected"
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+@pytest.fixture(scope="module")
+def tokenizer(toy_world):
+    return AutoTokenizer.from_pretrained(toy_world / "model")
+
+
+@pytest.fixture(scope="module")
+def sequences(tokenizer):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(4, len(tokenizer), (n,), generator=g) for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reward_model(toy_world, tokenizer):
+    model = AutoModelForSequenceClassification.from_pretrained(toy_world / "model", num_labels=1).eval()
+    torch.nn.init.normal_(model.score.weight, std=1.0)  # rewards of order 1, so differences show
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+@torch.no_grad()
+def test_packed_and_padded_logits_equal_each_sequence_alone(toy_world, sequences, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(toy_world / "model").eval()
+    alone = [model(input_ids=s[None]).logits[0] for s in sequences]
+    ids, mask, pos = common.batch_sequences(sequences, tokenizer.pad_token_id, packing=True)
+    assert mask is None and ids.shape == (1, sum(LENGTHS))
+    packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+    ids, mask, pos = common.batch_sequences(sequences, tokenizer.pad_token_id, packing=False)
+    padded = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+    offset = 0
+    for i, s in enumerate(sequences):
+        torch.testing.assert_close(packed[offset:offset + len(s)], alone[i], atol=1e-5, rtol=0)
+        torch.testing.assert_close(padded[i, :len(s)], alone[i], atol=1e-5, rtol=0)
+        offset += len(s)
+
+
+@torch.no_grad()
+def test_sft_loss_packed_equals_padded(toy_world, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(toy_world / "model").eval()
+    args = toy_args(max_len=64)
+    records = [{"input": f"{a:02d}+{b:02d}=", "output": str(a + b)} for a, b in [(1, 2), (45, 67), (99, 99), (7, 80)]]
+    samples = [sft.tokenize_sample(r, tokenizer, args) for r in records]
+    losses = []
+    for packing in (True, False):
+        ids, mask, pos = common.batch_sequences([s[0] for s in samples], tokenizer.pad_token_id, packing)
+        labels, _, _ = common.batch_sequences([s[1] for s in samples], -100, packing)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        losses.append(sft.sft_loss(logits, labels))
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-5, rtol=0)
+
+
+def test_sft_labels_cover_exactly_the_response(tokenizer):
+    args = toy_args(max_len=64)
+    ids, labels = sft.tokenize_sample({"input": "12+34=", "output": "46"}, tokenizer, args)
+    assert tokenizer.decode(ids) == "<s>12+34=46</s>"
+    trained = [int(t) for t, label in zip(ids, labels) if label != -100]
+    assert trained == tokenizer("46", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert torch.equal(labels[-3:], ids[-3:]) and torch.all(labels[:-3] == -100)
+    # chat template: the assistant turn (its eos too) is trained on, the template's prompt part is not
+    ids, labels = sft.tokenize_sample({"input": "12+34=", "output": "46"}, tokenizer, toy_args(
+        max_len=64, apply_chat_template=True))
+    assert tokenizer.decode(ids) == "<s>Q:12+34=\nA:46</s>\n"
+    assert tokenizer.decode([t for t, label in zip(ids, labels) if label != -100]) == "46</s>\n"
+
+
+def test_multiturn_trains_on_every_assistant_turn(tokenizer):
+    conversation = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
+                    {"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]
+    ids, labels = sft.tokenize_sample({"input": conversation}, tokenizer, toy_args(
+        max_len=64, apply_chat_template=True, multiturn=True))
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(conversation, tokenize=False)
+    spans, current = [], []
+    for t, label in zip(ids.tolist(), labels.tolist()):
+        if label != -100:
+            current.append(t)
+        elif current:
+            spans.append(tokenizer.decode(current)), current.clear()
+    spans.append(tokenizer.decode(current)) if current else None
+    assert spans == ["2</s>\n", "4</s>\n"]
+
+
+@torch.no_grad()
+def test_reward_read_at_last_token_in_every_layout(reward_model, sequences, tokenizer):
+    # reference: the stock HF classifier on each sequence alone (no padding: it reads the last token)
+    expected = torch.stack([reward_model(input_ids=s[None]).logits[0, 0] for s in sequences])
+    pad = tokenizer.pad_token_id
+    right = rm.sequence_rewards(reward_model, *common.batch_sequences(sequences, pad, False))
+    packed_ids, _, packed_pos = common.batch_sequences(sequences, pad, True)
+    packed = rm.sequence_rewards(reward_model, packed_ids, None, packed_pos, [len(s) for s in sequences])
+    T = max(LENGTHS)
+    left_ids = torch.stack([torch.cat([torch.full((T - len(s),), pad), s]) for s in sequences])
+    left_mask = (torch.arange(T)[None] >= torch.tensor([T - len(s) for s in sequences])[:, None]).long()
+    left = rm.sequence_rewards(reward_model, left_ids, left_mask, (left_mask.cumsum(-1) - 1).clamp(min=0))
+    for got in (right, packed, left):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    # the stock classifier on the right-padded batch finds the same tokens through the pad id
+    ids, mask, _ = common.batch_sequences(sequences, pad, False)
+    stock = reward_model(input_ids=ids, attention_mask=mask).logits[:, 0]
+    torch.testing.assert_close(stock, expected, atol=1e-5, rtol=0)
+
+
+def test_last_token_index_from_mask_and_lengths():
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 0, 0, 0]])
+    assert rm.last_token_index(mask).tolist() == [2, 4, 4, 1]
+    assert rm.last_token_index(seq_lens=[3, 1, 4]).tolist() == [2, 3, 7]
+
+
+@torch.no_grad()
+def test_truncated_response_still_ends_in_eos_and_is_scored_there(reward_model, tokenizer):
+    args = toy_args(max_len=10)
+    record = {"input": "12+34=", "chosen": "4" * 30, "rejected": "47"}
+    long = rm.tokenize_response(record, "chosen", tokenizer, args)
+    short = rm.tokenize_response(record, "rejected", tokenizer, args)
+    assert len(long) == 10 and long[-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(long) == "<s>12+34=44</s>"
+    assert tokenizer.decode(short) == "<s>12+34=47</s>"
+    chat = rm.tokenize_response(record, "rejected", tokenizer, toy_args(max_len=64, apply_chat_template=True))
+    assert tokenizer.decode(chat) == "<s>Q:12+34=\nA:47</s>"
+    seqs = [long, short, chat]
+    for packing in (False, True):
+        ids, mask, pos = common.batch_sequences(seqs, tokenizer.pad_token_id, packing)
+        got = rm.sequence_rewards(reward_model, ids, mask, pos, [len(s) for s in seqs] if packing else None)
+        expected = torch.stack([reward_model(input_ids=s[None]).logits[0, 0] for s in seqs])
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

@@ -1,0 +1,152 @@
+"""The toy world: a tiny random-init Llama, a character tokenizer and arithmetic datasets, built locally.
+
+Every script trains on it when run with no arguments, so the whole pipeline runs on a laptop CPU
+with nothing downloaded. The task is two-digit addition ("07+45=" -> "52"): small enough that SFT
+learns it in a minute on 2 cores, hard enough that RL has something left to improve.
+
+    python toy.py            # builds ./toy_world (idempotent) and prints what is there
+
+Layout of toy_world/:
+    model/                      tokenizer + LlamaForCausalLM, random init (save_pretrained)
+    sft_{train,test}.jsonl      {"input": "07+45=", "output": "52"}
+    pref_{train,test}.jsonl     {"input": "07+45=", "chosen": "52", "rejected": "53"}
+    prm_{train,test}.jsonl      {"input": "7+4+5\n7+4=11 ки\n11+5=17 ки", "label": ["+", "-"]}
+    prompts_{train,test}.jsonl  {"input": "07+45=", "label": "52"}
+"""
+
+import json
+import os
+import random
+import shutil
+import string
+import sys
+import tempfile
+from pathlib import Path
+
+TOY_DIR = Path(os.environ.get("TOY_WORLD_DIR", Path(__file__).resolve().parent / "toy_world"))
+VERSION = "1"  # bump when the generator changes, so stale worlds get rebuilt
+PLACEHOLDER = "ки"  # step marker for PRM data (Math-Shepherd's), one token in the toy tokenizer
+N_TEST = 500  # held-out prompts; the other 9,500 of the 10,000 "ab+cd=" prompts are for training
+
+# A chat template for --apply_chat_template. Plain "Q:"/"A:" turns keep it readable at character level.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}S:{{ m['content'] }}\n"
+    "{% elif m['role'] == 'user' %}Q:{{ m['content'] }}\n"
+    "{% else %}A:{{ m['content'] }}{{ eos_token }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+)
+
+
+def build_tokenizer():
+    """Character-level tokenizer over printable ASCII, with <s>, </s>, <pad> (distinct from eos), <unk>."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    vocab = {t: i for i, t in enumerate(specials + chars + [PLACEHOLDER])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one char, one token
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    tok.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        model_max_length=512,
+    )
+    hf.add_tokens([PLACEHOLDER])  # matched before pre-tokenization, so the two letters stay one token
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def build_model(tokenizer, seed=0):
+    """~0.85M-parameter Llama: hidden 128, 4 layers, 4 heads, tied embeddings (calibrated in STACK.md)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def wrong_sum(a, b, rng):
+    """A plausible wrong answer: an off-by-one, a dropped or doubled carry, or swapped digits."""
+    s = a + b
+    candidates = {s + 1, s - 1, s + 10, s - 10, s + 2, s - 2, int(str(s)[::-1])}
+    candidates.discard(s)
+    return str(rng.choice(sorted(c for c in candidates if c >= 0)))
+
+
+def prm_example(rng):
+    """A running-sum solution, one step per addition; with prob 1/2 one step is wrong and the error
+    carries on. Labels are "+" up to the first wrong step and "-" from it on (Math-Shepherd style)."""
+    terms = [rng.randint(1, 9) for _ in range(rng.randint(2, 5))]
+    first_error = rng.randrange(1, len(terms)) if rng.random() < 0.5 else None
+    lines, labels, total = [], [], terms[0]
+    for i, t in enumerate(terms[1:], start=1):
+        new = total + t
+        if i == first_error:
+            new += rng.choice([-2, -1, 1, 2])
+        lines.append(f"{total}+{t}={new} {PLACEHOLDER}")
+        labels.append("-" if first_error is not None and i >= first_error else "+")
+        total = new
+    return {"input": "+".join(map(str, terms)) + "\n" + "\n".join(lines), "label": labels}
+
+
+def build_datasets(rng):
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    rng.shuffle(pairs)
+    splits = {"train": pairs[N_TEST:], "test": pairs[:N_TEST]}
+    data = {}
+    for split, ps in splits.items():
+        prompts = [(f"{a:02d}+{b:02d}=", str(a + b), a, b) for a, b in ps]
+        data[f"sft_{split}"] = [{"input": p, "output": s} for p, s, _, _ in prompts]
+        data[f"pref_{split}"] = [
+            {"input": p, "chosen": s, "rejected": wrong_sum(a, b, rng)} for p, s, a, b in prompts
+        ]
+        data[f"prompts_{split}"] = [{"input": p, "label": s} for p, s, _, _ in prompts]
+        data[f"prm_{split}"] = [prm_example(rng) for _ in range(len(ps))]
+    return data
+
+
+def is_current(path):
+    return (path / "VERSION").is_file() and (path / "VERSION").read_text() == VERSION
+
+
+def ensure_toy_world(path=TOY_DIR):
+    """Build the toy world at `path` unless an up-to-date one is there; return the path.
+    Built in a temporary directory and renamed into place, so concurrent callers (ranks) are safe."""
+    path = Path(path)
+    if is_current(path):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".toy_world-", dir=path.parent))
+    tmp.chmod(0o755)
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(tmp / "model")
+    build_model(tokenizer).save_pretrained(tmp / "model")
+    for name, records in build_datasets(random.Random(0)).items():
+        with open(tmp / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    (tmp / "VERSION").write_text(VERSION)
+    if path.exists() and not is_current(path):
+        shutil.rmtree(path, ignore_errors=True)  # a stale or half-written world
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process finished first; its world is the same
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+if __name__ == "__main__":
+    root = ensure_toy_world(sys.argv[1] if len(sys.argv) > 1 else TOY_DIR)
+    for f in sorted(root.glob("*.jsonl")):
+        print(f"{f.name:24s} {sum(1 for _ in open(f)):6d} records   e.g. {open(f).readline().strip()}")
+    print(f"model/ at {root / 'model'}")

@@ -10,6 +10,7 @@ import random
 import resource
 import shutil
 import socket
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +26,10 @@ import transformers
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+warnings.filterwarnings("ignore", message=r".*is deprecated. Please use `torch.distributed")  # inside DeepSpeed
 transformers.logging.set_verbosity_error()
 transformers.logging.disable_progress_bar()
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # log lines stay whole in files and CI
 
 
 def fail(message):
@@ -72,7 +74,7 @@ def add_common_args(p: argparse.ArgumentParser):
     a("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     # checkpoints and logging
     a("--save_steps", type=int, default=-1, help="save a resumable checkpoint every N steps (-1: never)")
-    a("--ckpt_path", default=None, help="resumable checkpoints (default: <save_path>/checkpoints)")
+    a("--ckpt_path", default=None, help="resumable checkpoints (default: <save_path>_checkpoints)")
     a("--max_ckpt_num", type=int, default=3, help="keep this many resumable checkpoints")
     a("--load_checkpoint", action="store_true", help="resume from the latest checkpoint in --ckpt_path")
     a("--logging_steps", type=int, default=10)
@@ -93,7 +95,9 @@ def parse_args(parser, toy_defaults):
         root = toy.ensure_toy_world()
         parser.set_defaults(pretrain=str(root / "model"), **(toy_defaults(root) if args.dataset is None else {}))
         args = parser.parse_args()
-    args.ckpt_path = args.ckpt_path or str(Path(args.save_path) / "checkpoints")
+    args.ckpt_path = args.ckpt_path or args.save_path.rstrip("/") + "_checkpoints"
+    if Path(args.save_path).resolve() in Path(args.ckpt_path).resolve().parents:
+        fail("--ckpt_path must be outside --save_path, which is replaced whole when the model is saved")
     return args
 
 
@@ -370,15 +374,16 @@ def load_checkpoint(engine, args):
     load_path, client_state = engine.load_checkpoint(args.ckpt_path)
     if load_path is None:
         fail(f"could not load the checkpoint in {args.ckpt_path}")
-    rng = torch.load(Path(load_path) / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
+    step = client_state["step"]
+    rng = torch.load(Path(args.ckpt_path) / f"global_step{step}" / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
     if rng["cuda"] is not None:
         torch.cuda.set_rng_state_all(rng["cuda"])
     if is_rank0():
-        console.print(f"resumed from {load_path} at step {client_state['step']}")
-    return client_state["step"]
+        console.print(f"resumed from {args.ckpt_path} at step {step}")
+    return step
 
 
 # --------------------------------------------------------------------------------------------- logging

@@ -8,6 +8,7 @@ Stages run as plain commands (shown as they start), each from the previous stage
 """
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -26,11 +27,11 @@ STAGES = [
 
 
 def main():
-    console = Console()
+    console = Console(width=max(Console().width, 110))  # the table stays readable in logs
     root = Path(__file__).resolve().parent
     t = time.time()
     world = toy.ensure_toy_world()
-    rows = [("toy world", "", "", f"{time.time() - t:.1f}", "", str(world))]
+    rows = [("toy world", "", "", f"{time.time() - t:.1f}", "", os.path.relpath(world))]
     for name, cmd, out, key, what in STAGES:
         console.rule(f"[bold]{name}: python {' '.join(cmd)}")
         t = time.time()

@@ -122,7 +122,7 @@ def main():
     args = common.parse_args(parser, lambda root: dict(
         dataset=str(root / "pref_train.jsonl"), eval_dataset=str(root / "pref_test.jsonl"),
         learning_rate=3e-4, lr_warmup_ratio=0.1, train_batch_size=64, micro_train_batch_size=32,
-        max_epochs=2, max_len=32))
+        max_epochs=4, max_len=32))
     common.init_distributed(args)
     start = time.time()
 
@@ -168,7 +168,7 @@ def main():
                               "epoch": epoch})
         if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
             common.save_checkpoint(engine, args, step + 1)
-        if eval_data and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0:
+        if eval_data and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
             logger.log(step + 1, evaluate(engine, eval_data, tokenizer, args), prefix="eval")
     logger.close()
 

@@ -139,7 +139,7 @@ def main():
         eval_dataset=str(root / "sft_test.jsonl"), eval_generate_samples=500, generate_max_len=5,
         # calibrated on 2 CPU cores (STACK.md): ~90% held-out exact match in under a minute
         learning_rate=1e-3, lr_warmup_ratio=0.1, train_batch_size=64, micro_train_batch_size=64,
-        max_epochs=6, max_len=32))
+        max_epochs=10, max_len=32))
     common.init_distributed(args)
     start = time.time()
 
@@ -180,7 +180,7 @@ def main():
                               "tokens_per_s": tokens / (time.time() - t0), "epoch": epoch})
         if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
             common.save_checkpoint(engine, args, step + 1)
-        if eval_data and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0:
+        if eval_data and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
             logger.log(step + 1, evaluate(engine, eval_data, eval_records, tokenizer, args), prefix="eval")
     logger.close()
 

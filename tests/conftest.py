@@ -1,4 +1,5 @@
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,13 +23,20 @@ def toy_world(tmp_path_factory):
     return toy.ensure_toy_world(path)
 
 
-def run_script(script, *args, nproc=1, cwd=None, timeout=600, check=True):
-    """Run one of our scripts as a user would: `python script.py` or `torchrun --nproc_per_node N`."""
+def run_script(script, *args, nproc=1, launcher="torchrun", cwd=None, timeout=600, check=True):
+    """Run one of our scripts as a user would: `python script.py`, or with N processes under
+    `torchrun` or the `deepspeed` launcher."""
+    with socket.socket() as s:  # a free port: torchrun's --master_port=0 hangs the gloo rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     if nproc == 1:
         cmd = [sys.executable, str(ROOT / script)]
+    elif launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
+               str(ROOT / script)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--master_port=0", str(ROOT / script)]
+        cmd = [str(Path(sys.executable).parent / "deepspeed"), f"--num_gpus={nproc}", f"--master_port={port}",
+               str(ROOT / script)]
     env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
     proc = subprocess.run(cmd + [str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)

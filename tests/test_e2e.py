@@ -1,6 +1,7 @@
 """End to end on the toy world, as a user runs it: sft.py and rm.py for a few steps, single process
-(ZeRO-0) and two processes (ZeRO-3, torchrun, gloo); what they save reloads with stock classes and
-reproduces the numbers the scripts reported; a run killed after a save resumes where it stopped."""
+(ZeRO-0, and ZeRO-2 with packing) and two processes (ZeRO-3 under torchrun and the deepspeed launcher,
+gloo); what they save reloads with stock classes and reproduces the numbers the scripts reported; a run
+killed after a save resumes where it stopped."""
 import json
 import math
 import os
@@ -69,7 +70,9 @@ def test_sft_then_rm(toy_world, tmp_path, nproc, zero, packing):
     # the saved weights (gathered from ZeRO-3 shards when sharded) reproduce the reported eval loss
     assert math.isclose(stock_sft_eval(tmp_path / "sft", toy_world), sft["eval_loss"], rel_tol=1e-4)
 
-    run_script("rm.py", *extra, "--pretrain", tmp_path / "sft", "--save_path", tmp_path / "rm", nproc=nproc, cwd=tmp_path)
+    # the two launchers: torchrun above, the deepspeed launcher here
+    run_script("rm.py", *extra, "--pretrain", tmp_path / "sft", "--save_path", tmp_path / "rm", nproc=nproc,
+               launcher="deepspeed", cwd=tmp_path)
     rm = results(tmp_path / "rm")
     acc, mean, std, model = stock_rm_eval(tmp_path / "rm", toy_world)
     assert math.isclose(acc, rm["eval_acc"], abs_tol=1e-9)
@@ -90,7 +93,7 @@ def test_kill_after_save_then_resume_matches_uninterrupted_run(toy_world, tmp_pa
             "--eval_dataset", "", "--logging_steps", 1]
     run_script("sft.py", *args, "--save_path", tmp_path / "full", cwd=tmp_path)
 
-    ckpt = tmp_path / "run" / "checkpoints"
+    ckpt = tmp_path / "run_checkpoints"
     cmd = [sys.executable, str(ROOT / "sft.py"), *map(str, args), "--save_path", str(tmp_path / "run"), "--save_steps", "1"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300

@@ -235,25 +235,28 @@ def load_records(source, split="train", required_keys=(), max_samples=None):
     import datasets
 
     path = Path(source)
-    if path.suffix in (".jsonl", ".json") and path.is_file():
+    if path.suffix in (".jsonl", ".json", ".parquet", ".csv") and not path.is_file():
+        fail(f"dataset file not found: {source}")
+    if path.suffix in (".jsonl", ".json"):
         text = path.read_text()
         if text.lstrip().startswith("["):
             try:
                 records = json.loads(text)
             except json.JSONDecodeError as e:
                 fail(f"{source}: invalid JSON at line {e.lineno}: {e.msg}")
+            where = [f"{source}: record {i}" for i in range(len(records))]
         else:
-            records = []
+            records, where = [], []
             for i, line in enumerate(text.splitlines(), start=1):
                 if line.strip():
                     try:
                         records.append(json.loads(line))
                     except json.JSONDecodeError as e:
                         fail(f"{source}: line {i} is not valid JSON ({e.msg})")
-        where = lambda i: f"{source}: line {i + 1}" if path.suffix == ".jsonl" else f"{source}: record {i}"  # noqa
+                    where.append(f"{source}: line {i}")
     else:
         try:
-            if path.suffix in (".parquet", ".csv") and path.is_file():
+            if path.suffix in (".parquet", ".csv"):
                 ds = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train")
             elif (path / "dataset_info.json").exists() or (path / "state.json").exists():
                 ds = datasets.load_from_disk(str(path))
@@ -262,16 +265,16 @@ def load_records(source, split="train", required_keys=(), max_samples=None):
         except Exception as e:  # datasets raises many kinds; the user needs the first line only
             fail(f"cannot load dataset {source!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
         records = ds.to_list()
-        where = lambda i: f"{source}: record {i}"  # noqa
+        where = [f"{source}: record {i}" for i in range(len(records))]
     if not records:
         fail(f"dataset {source} is empty")
     records = records[:max_samples] if max_samples else records
     for i, r in enumerate(records):
         if not isinstance(r, dict):
-            fail(f"{where(i)}: expected a JSON object, got {type(r).__name__}")
+            fail(f"{where[i]}: expected a JSON object, got {type(r).__name__}")
         for key in required_keys:
             if r.get(key) is None:
-                fail(f"{where(i)}: missing key {key!r} (keys: {', '.join(r) or 'none'}); "
+                fail(f"{where[i]}: missing key {key!r} (keys: {', '.join(r) or 'none'}); "
                      f"set the matching --*_key flag")
     return records
 
@@ -395,10 +398,16 @@ class Logger:
         if not self.rank0:
             return
         if args.use_tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                fail("--use_tensorboard needs the tensorboard package: pip install tensorboard")
             self.tb = SummaryWriter(args.use_tensorboard)
         if args.use_wandb:
-            import wandb
+            try:
+                import wandb
+            except ImportError:
+                fail("--use_wandb needs the wandb package: pip install wandb")
             self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_run_name, config=vars(args))
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"), console=console)

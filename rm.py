@@ -102,7 +102,7 @@ def evaluate(engine, data, tokenizer, args):
         chosen, rejected = chosen.cpu()[real], rejected.cpu()[real]
         n += len(chosen)
         correct += (chosen > rejected).sum().item()
-        loss_sum += -F.logsigmoid(chosen - rejected).sum().item()
+        loss_sum += pairwise_loss(chosen, rejected).item() * len(chosen) if len(chosen) else 0.0
         r_sum += (chosen.sum() + rejected.sum()).item()
         r_sq += (chosen.pow(2).sum() + rejected.pow(2).sum()).item()
     n, correct, loss_sum, r_sum, r_sq = common.all_reduce_sum([n, correct, loss_sum, r_sum, r_sq])

@@ -14,16 +14,12 @@ def one_line_error(proc):
     return errors[0]
 
 
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
 @pytest.mark.parametrize("script", ["sft.py", "rm.py"])
 def test_missing_key_names_file_line_and_key(toy_world, tmp_path, script):
     good = {"input": "1+2=", "output": "3", "chosen": "3", "rejected": "4"}
     bad = {k: v for k, v in good.items() if k not in ("output", "rejected")}
-    data = write_jsonl(tmp_path / "data.jsonl", [good, good, bad, good])
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join([json.dumps(good), "", json.dumps(bad), json.dumps(good)]) + "\n")  # a blank line 2
     line = one_line_error(run_script(script, "--dataset", data, cwd=tmp_path, check=False))
     key = "output" if script == "sft.py" else "rejected"
     assert str(data) in line and "line 3" in line and repr(key) in line
@@ -34,6 +30,11 @@ def test_malformed_jsonl_line_is_named(toy_world, tmp_path):
     data.write_text('{"input": "1+2=", "output": "3"}\n\n{"input": "2+2=", "output": 4\n')
     line = one_line_error(run_script("sft.py", "--dataset", data, cwd=tmp_path, check=False))
     assert str(data) in line and "line 3" in line and "not valid JSON" in line
+
+
+def test_missing_dataset_file(toy_world, tmp_path):
+    line = one_line_error(run_script("sft.py", "--dataset", tmp_path / "nope.jsonl", cwd=tmp_path, check=False))
+    assert "dataset file not found" in line and "nope.jsonl" in line
 
 
 def test_empty_dataset(toy_world, tmp_path):

@@ -330,9 +330,9 @@ def save_hf_model(engine, tokenizer, path, args, extra_config=None):
     """Write a plain Hugging Face directory (ZeRO-3 shards gathered on rank 0), atomically:
     into a temporary directory first, then renamed into place, so a crash never leaves half a model."""
     model = engine.module
-    state = {}
+    state, saved_names = {}, set(model.state_dict())
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if name not in model.state_dict():
+        if name not in saved_names:
             continue  # non-persistent buffers (rotary tables)
         with deepspeed.zero.GatheredParameters([tensor], enabled=args.zero_stage == 3):
             if is_rank0():

@@ -91,14 +91,8 @@ def test_multiturn_trains_on_every_assistant_turn(tokenizer):
     ids, labels = sft.tokenize_sample({"input": conversation}, tokenizer, toy_args(
         max_len=64, apply_chat_template=True, multiturn=True))
     assert tokenizer.decode(ids) == tokenizer.apply_chat_template(conversation, tokenize=False)
-    spans, current = [], []
-    for t, label in zip(ids.tolist(), labels.tolist()):
-        if label != -100:
-            current.append(t)
-        elif current:
-            spans.append(tokenizer.decode(current)), current.clear()
-    spans.append(tokenizer.decode(current)) if current else None
-    assert spans == ["2</s>\n", "4</s>\n"]
+    trained = "".join(tokenizer.decode([t]) if label != -100 else "|" for t, label in zip(ids.tolist(), labels.tolist()))
+    assert [span for span in trained.split("|") if span] == ["2</s>\n", "4</s>\n"]
 
 
 @torch.no_grad()

@@ -213,7 +213,7 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
             trust_remote_code=args.trust_remote_code, **kwargs)
     except (OSError, ValueError) as e:
         fail(f"cannot load model {path!r}: {str(e).splitlines()[0]}")
-    if len(tokenizer) > model.config.vocab_size:  # a pad token was added
+    if len(tokenizer) > model.config.vocab_size:  # tokens were added (a pad, a PRM step placeholder)
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
     if args.gradient_checkpointing:
@@ -229,9 +229,10 @@ def check_model_path(path):
 
 
 # ---------------------------------------------------------------------------------------------- data
-def load_records(source, split="train", required_keys=(), max_samples=None):
+def load_records(source, split="train", required_keys=(), max_samples=None, with_locations=False):
     """A list of dict records from a .jsonl/.json/.parquet/.csv file, a saved dataset dir or a hub name.
-    JSON lines are parsed here, so a malformed line is reported by number."""
+    JSON lines are parsed here, so a malformed line is reported by number. With `with_locations`, also
+    each record's location ("file: line N") for the caller's own error messages."""
     import datasets
 
     path = Path(source)
@@ -276,7 +277,7 @@ def load_records(source, split="train", required_keys=(), max_samples=None):
             if r.get(key) is None:
                 fail(f"{where[i]}: missing key {key!r} (keys: {', '.join(r) or 'none'}); "
                      f"set the matching --*_key flag")
-    return records
+    return (records, where[:len(records)]) if with_locations else records
 
 
 def format_prompt(raw, tokenizer, args):

@@ -5,6 +5,7 @@
 Stages run as plain commands (shown as they start), each from the previous stage's output:
     python sft.py                       -> runs/sft   held-out exact match of greedy answers
     python rm.py --pretrain runs/sft    -> runs/rm    held-out pair accuracy (chosen scored higher)
+    python prm.py                       -> runs/prm   held-out step accuracy (running-sum solutions)
 """
 
 import json
@@ -23,6 +24,7 @@ STAGES = [
     ("SFT", ["sft.py", "--save_path", "runs/sft"], "runs/sft", "eval_exact_match", "held-out exact match"),
     ("RM", ["rm.py", "--pretrain", "runs/sft", "--save_path", "runs/rm"], "runs/rm", "eval_acc",
      "held-out pair accuracy"),
+    ("PRM", ["prm.py", "--save_path", "runs/prm"], "runs/prm", "eval_step_acc", "held-out step accuracy"),
 ]
 
 

@@ -10,7 +10,7 @@ Layout of toy_world/:
     model/                      tokenizer + LlamaForCausalLM, random init (save_pretrained)
     sft_{train,test}.jsonl      {"input": "07+45=", "output": "52"}
     pref_{train,test}.jsonl     {"input": "07+45=", "chosen": "52", "rejected": "53"}
-    prm_{train,test}.jsonl      {"input": "7+4+5\n7+4=11 ки\n11+5=17 ки", "label": ["+", "-"]}
+    prm_{train,test}.jsonl      {"input": "07+45+08\n07+45=52 ки\n52+08=61 ки", "label": ["+", "-"]}
     prompts_{train,test}.jsonl  {"input": "07+45=", "label": "52"}
 """
 
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 TOY_DIR = Path(os.environ.get("TOY_WORLD_DIR", Path(__file__).resolve().parent / "toy_world"))
-VERSION = "1"  # bump when the generator changes, so stale worlds get rebuilt
+VERSION = "2"  # bump when the generator changes, so stale worlds get rebuilt
 PLACEHOLDER = "ки"  # step marker for PRM data (Math-Shepherd's), one token in the toy tokenizer
 N_TEST = 500  # held-out prompts; the other 9,500 of the 10,000 "ab+cd=" prompts are for training
 
@@ -84,20 +84,34 @@ def wrong_sum(a, b, rng):
     return str(rng.choice(sorted(c for c in candidates if c >= 0)))
 
 
+def misread(n, rng):
+    """A plausible slip when copying a two-digit number: swapped digits or one digit off by one."""
+    tens, ones = divmod(n, 10)
+    candidates = {ones * 10 + tens, n + 1, n - 1, n + 10, n - 10}
+    return rng.choice(sorted(c for c in candidates if 0 <= c <= 99 and c != n))
+
+
 def prm_example(rng):
-    """A running-sum solution, one step per addition; with prob 1/2 one step is wrong and the error
-    carries on. Labels are "+" up to the first wrong step and "-" from it on (Math-Shepherd style)."""
-    terms = [rng.randint(1, 9) for _ in range(rng.randint(2, 5))]
-    first_error = rng.randrange(1, len(terms)) if rng.random() < 0.5 else None
+    """A running-sum solution, one step per line ("05+15=20"; every number two digits, the total
+    staying below 100). With prob 1/2 a step after the first starts from a misread total (the previous
+    result copied wrong) and the error carries on; every line's own sum is right. Labels are
+    "+" up to the wrong step and "-" from it on (Math-Shepherd style). Slips are copy errors because
+    a 1M-parameter model from scratch does not learn to verify sums from binary labels in minutes."""
+    n_steps = rng.randint(2, 4)
+    final = rng.randint(10, 89)  # the terms are a random split of `final`; a slip adds at most 10 more
+    cuts = sorted(rng.randint(0, final) for _ in range(n_steps))
+    terms = [b - a for a, b in zip([0] + cuts, cuts + [final])]
+    first_error = rng.randrange(1, n_steps) if rng.random() < 0.5 else None
     lines, labels, total = [], [], terms[0]
-    for i, t in enumerate(terms[1:], start=1):
-        new = total + t
+    for i, t in enumerate(terms[1:]):
         if i == first_error:
-            new += rng.choice([-2, -1, 1, 2])
-        lines.append(f"{total}+{t}={new} {PLACEHOLDER}")
+            right, total = total, 100
+            while total + final - right > 99:  # the rest of the solution must stay in two digits
+                total = misread(right, rng)
+        lines.append(f"{total:02d}+{t:02d}={total + t:02d} {PLACEHOLDER}")
         labels.append("-" if first_error is not None and i >= first_error else "+")
-        total = new
-    return {"input": "+".join(map(str, terms)) + "\n" + "\n".join(lines), "label": labels}
+        total += t
+    return {"input": "+".join(f"{t:02d}" for t in terms) + "\n" + "\n".join(lines), "label": labels}
 
 
 def build_datasets(rng):

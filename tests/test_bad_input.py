@@ -53,3 +53,22 @@ def test_nonexistent_model_path(toy_world, tmp_path, model):
 def test_unknown_hub_model_offline(toy_world, tmp_path):
     line = one_line_error(run_script("rm.py", "--pretrain", "no-such-org/no-such-model", cwd=tmp_path, check=False))
     assert "no-such-org/no-such-model" in line
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"input": "1+2\n1+2=3 ки\n3+4=7 ки", "label": ["+", "-", "-"]}, "2 placeholders but 3 labels"),
+    ({"input": "1+2\n1+2=3 ки", "label": ["?"]}, "label '?' is neither a reward token"),
+    ({"input": "1+2\n1+2=3 ки", "label": [1.5]}, "label 1.5 is neither a reward token"),
+    ({"input": "1+2\n1+2=3", "label": ["+"]}, "no placeholder 'ки'"),
+])
+def test_prm_labels_that_do_not_match_the_steps(toy_world, tmp_path, record, message):
+    good = {"input": "1+2\n1+2=3 ки\n3+4=7 ки", "label": ["+", "+"]}
+    data = tmp_path / "prm.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [good, good, record, good]) + "\n")
+    line = one_line_error(run_script("prm.py", "--dataset", data, cwd=tmp_path, check=False))
+    assert f"{data}: line 3" in line and message in line
+
+
+def test_prm_reward_token_must_be_one_token(toy_world, tmp_path):
+    line = one_line_error(run_script("prm.py", "--reward_tokens", "good", "bad", cwd=tmp_path, check=False))
+    assert "reward token 'good' is 4 tokens" in line

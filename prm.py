@@ -1,0 +1,210 @@
+"""Process reward model: a causal LM that judges every reasoning step.
+
+    python prm.py                                   # the toy world: running sums with injected errors
+    deepspeed --num_gpus 8 prm.py --pretrain Qwen/Qwen2.5-Math-7B --dataset math_shepherd.jsonl \\
+        --input_key input --label_key label --placeholder_token "ки" --reward_tokens "+" "-" \\
+        --zero_stage 3 --bf16 --packing_samples --learning_rate 2e-6
+
+Data: `input` is the solution text with a placeholder token after every step; `label` is a list with
+one entry per placeholder: a reward token ("+" good, "-" bad; hard labels) or a float, the probability
+that the step is good (soft labels, e.g. from Monte-Carlo rollouts). The loss is read only at the
+placeholders, over the reward tokens' logits: the model, at the end of a step, predicts "+" or "-".
+The output is a plain Hugging Face causal LM whose config also names the placeholder and reward tokens.
+"""
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import common
+
+
+def prm_loss(logits, input_ids, labels, placeholder_token_id, reward_token_ids):
+    """Cross-entropy over the reward tokens, at placeholder positions only; -> (loss, accuracy).
+
+    logits [B, T, V]; input_ids [B, T]; the positions judged are those where input_ids equals the
+    placeholder. Hard labels: `labels` [B, T] (integer) holds the reward token id there. Soft labels:
+    `labels` [B, T] (float) holds p, the probability of reward_token_ids[0]; the target is [p, 1 - p].
+    Mean over all placeholders in the batch; accuracy is the argmax match (soft: against p > 0.5).
+    """
+    at = input_ids == placeholder_token_id
+    step_logits = logits[at][:, reward_token_ids]  # [N, R]
+    step_logits = step_logits.to(torch.promote_types(step_logits.dtype, torch.float32))
+    log_probs = F.log_softmax(step_logits, -1)
+    if labels.is_floating_point():
+        p = labels[at].to(log_probs.dtype)
+        target = torch.stack([p, 1 - p], -1)
+        loss = -(target * log_probs).sum(-1).mean()
+        accuracy = ((log_probs.argmax(-1) == 0) == (p > 0.5)).float().mean()
+    else:
+        index = (labels[at][:, None] == torch.tensor(reward_token_ids, device=labels.device)).int().argmax(-1)
+        loss = F.nll_loss(log_probs, index)
+        accuracy = (log_probs.argmax(-1) == index).float().mean()
+    return loss, accuracy
+
+
+def setup_tokens(tokenizer, placeholder, reward_tokens):
+    """The placeholder must be one token (added to the vocabulary if it is not); each reward token too."""
+    if len(tokenizer(placeholder, add_special_tokens=False)["input_ids"]) != 1:
+        tokenizer.add_tokens([placeholder])
+    reward_ids = []
+    for token in reward_tokens:
+        ids = tokenizer(token, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            common.fail(f"reward token {token!r} is {len(ids)} tokens for this tokenizer; it must be one")
+        reward_ids.append(ids[0])
+    return tokenizer.convert_tokens_to_ids(placeholder), reward_ids
+
+
+def tokenize_sample(record, where, tokenizer, placeholder_id, reward_tokens, reward_ids, args):
+    """-> (input_ids, labels, truncated) with labels at the placeholder positions (reward token id, or
+    float p) and -100 elsewhere; None if not even the first step fits in --max_len. A longer sample is
+    cut after its last whole step that fits."""
+    text = common.format_prompt(record[args.input_key], tokenizer, args)
+    ids = torch.tensor(tokenizer(text)["input_ids"])
+    steps = (ids == placeholder_id).nonzero().squeeze(-1)
+    step_labels = record[args.label_key]
+    if not isinstance(step_labels, list):
+        step_labels = [step_labels]
+    if len(steps) == 0:
+        common.fail(f"{where}: no placeholder {args.placeholder_token!r} in {args.input_key!r}")
+    if len(steps) != len(step_labels):
+        common.fail(f"{where}: {len(steps)} placeholders but {len(step_labels)} labels")
+    soft = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in step_labels)
+    bad = [x for x in step_labels if not (0 <= x <= 1 if soft else x in reward_tokens)]
+    if bad:
+        common.fail(f"{where}: label {bad[0]!r} is neither a reward token {reward_tokens} "
+                    f"nor a probability in [0, 1]")
+    labels = torch.full(ids.shape, -100.0 if soft else -100, dtype=torch.float32 if soft else torch.long)
+    labels[steps] = torch.tensor([float(x) if soft else reward_ids[reward_tokens.index(x)] for x in step_labels],
+                                 dtype=labels.dtype)
+    if len(ids) > args.max_len:
+        fitting = steps[steps < args.max_len]
+        if len(fitting) == 0:
+            return None
+        return ids[:fitting[-1] + 1], labels[:fitting[-1] + 1], True
+    return ids, labels, False
+
+
+@torch.no_grad()
+def score_steps(model, tokenizer, text):
+    """Per-step probability that the step is good (of the first reward token), for a saved PRM."""
+    cfg = model.config
+    ids = tokenizer(text, return_tensors="pt")["input_ids"].to(model.device)
+    logits = model(input_ids=ids, use_cache=False).logits[0]
+    at = ids[0] == cfg.placeholder_token_id
+    return torch.softmax(logits[at][:, cfg.reward_token_ids].float(), -1)[:, 0].tolist()
+
+
+@torch.no_grad()
+def evaluate(engine, data, reward_ids, placeholder_id, pad_id, args):
+    """Step accuracy and, with hard labels, solution accuracy (a solution is good iff all its steps are)."""
+    model = engine.module
+    model.eval()
+    steps = step_correct = solutions = solution_correct = loss_sum = 0.0
+    for idx in common.eval_batches(len(data), args.micro_train_batch_size):
+        ids, mask, pos = common.batch_sequences([data[max(j, 0)][0] for j in idx], pad_id, False)
+        logits = model(input_ids=ids.to(engine.device), attention_mask=mask.to(engine.device),
+                       position_ids=pos.to(engine.device), use_cache=False).logits
+        for row, j in enumerate(idx):
+            if j < 0:  # a filler that keeps ZeRO-3 ranks in step
+                continue
+            seq_ids, labels = data[j]
+            row_logits = logits[row:row + 1, :len(seq_ids)]
+            loss, acc = prm_loss(row_logits, seq_ids[None].to(engine.device), labels[None].to(engine.device),
+                                 placeholder_id, reward_ids)
+            n = (seq_ids == placeholder_id).sum().item()
+            steps, step_correct, loss_sum = steps + n, step_correct + round(acc.item() * n), loss_sum + loss.item() * n
+            at = seq_ids == placeholder_id
+            predicted_good = row_logits[0][at.to(engine.device)][:, reward_ids].argmax(-1) == 0
+            truly_good = labels[at] > 0.5 if labels.is_floating_point() else labels[at] == reward_ids[0]
+            solutions += 1
+            solution_correct += bool(predicted_good.all()) == bool(truly_good.all())
+    steps, step_correct, loss_sum, solutions, solution_correct = common.all_reduce_sum(
+        [steps, step_correct, loss_sum, solutions, solution_correct])
+    model.train()
+    return {"loss": loss_sum / steps, "step_acc": step_correct / steps, "solution_acc": solution_correct / solutions}
+
+
+def main():
+    parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser.add_argument("--label_key", default="label")
+    parser.add_argument("--placeholder_token", default="ки", help="marks the end of every step in the input")
+    parser.add_argument("--reward_tokens", nargs="+", default=["+", "-"], help="good first, then bad")
+    parser.add_argument("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: at the end)")
+    parser.set_defaults(save_path="runs/prm", learning_rate=2e-6)
+    args = common.parse_args(parser, lambda root: dict(
+        dataset=str(root / "prm_train.jsonl"), eval_dataset=str(root / "prm_test.jsonl"),
+        learning_rate=1e-3, lr_warmup_ratio=0.1, train_batch_size=64, micro_train_batch_size=64,
+        max_epochs=3, max_len=64))
+    common.init_distributed(args)
+    start = time.time()
+
+    tokenizer = common.load_tokenizer(args.pretrain, args)
+    placeholder_id, reward_ids = setup_tokens(tokenizer, args.placeholder_token, args.reward_tokens)
+    keys = [args.input_key, args.label_key]
+
+    def tokenize(source, split, max_samples=None):
+        records, where = common.load_records(source, split, keys, max_samples, with_locations=True)
+        samples = [tokenize_sample(r, w, tokenizer, placeholder_id, args.reward_tokens, reward_ids, args)
+                   for r, w in zip(records, where)]
+        kept = [s for s in samples if s is not None]
+        cut = sum(s[2] for s in kept)
+        if (cut or len(kept) < len(samples)) and common.is_rank0():
+            common.console.print(f"{source}: --max_len {args.max_len} cut {cut} samples after their last whole "
+                                 f"step and dropped {len(samples) - len(kept)} whose first step does not fit")
+        return [(ids, labels) for ids, labels, _ in kept]
+
+    train = tokenize(args.dataset, args.dataset_split, args.max_samples)
+    if len(train) < args.train_batch_size:
+        common.fail(f"{args.dataset}: {len(train)} usable samples, fewer than --train_batch_size")
+    eval_data = tokenize(args.eval_dataset, args.eval_split) if args.eval_dataset else []
+
+    cfg = common.ds_config(args)
+    model = common.load_model(args.pretrain, args, tokenizer, cfg)
+    total_steps = len(train) // args.train_batch_size * args.max_epochs
+    engine = common.setup_deepspeed(model, args, cfg, total_steps)
+    start_step = common.load_checkpoint(engine, args)
+    logger = common.Logger(args, total_steps, start_step)
+
+    for step, epoch, micro_batches in common.train_batches(len(train), args, start_step):
+        t0, stats = time.time(), []
+        for idx in micro_batches:
+            ids, mask, pos = common.batch_sequences([train[i][0] for i in idx], tokenizer.pad_token_id,
+                                                    args.packing_samples)
+            labels, _, _ = common.batch_sequences([train[i][1] for i in idx], -100, args.packing_samples)
+            logits = engine(input_ids=ids.to(engine.device), position_ids=pos.to(engine.device),
+                            attention_mask=None if mask is None else mask.to(engine.device), use_cache=False).logits
+            loss, acc = prm_loss(logits, ids.to(engine.device), labels.to(engine.device), placeholder_id, reward_ids)
+            engine.backward(loss)
+            engine.step()
+            stats.append([loss.item(), acc.item()])
+        loss, acc = common.all_reduce_sum(torch.tensor(stats).mean(0).tolist())
+        world = dist.get_world_size()
+        logger.log(step + 1, {"loss": loss / world, "step_acc": acc / world, "lr": engine.get_lr()[0],
+                              "samples_per_s": args.train_batch_size / (time.time() - t0), "epoch": epoch})
+        if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
+            common.save_checkpoint(engine, args, step + 1)
+        if eval_data and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
+            logger.log(step + 1, evaluate(engine, eval_data, reward_ids, placeholder_id, tokenizer.pad_token_id, args),
+                       prefix="eval")
+    logger.close()
+
+    results = {"train_time_s": time.time() - start, "steps": total_steps}
+    if eval_data:
+        metrics = evaluate(engine, eval_data, reward_ids, placeholder_id, tokenizer.pad_token_id, args)
+        logger.log(total_steps, metrics, prefix="eval")
+        results.update({f"eval_{k}": v for k, v in metrics.items()})
+    extra = {"placeholder_token": args.placeholder_token, "placeholder_token_id": placeholder_id,
+             "reward_tokens": args.reward_tokens, "reward_token_ids": reward_ids}
+    common.save_hf_model(engine, tokenizer, args.save_path, args, extra_config=extra)
+    common.write_results(args.save_path, results)
+    if common.is_rank0():
+        common.console.print(f"saved to {args.save_path}: {results}")
+
+
+if __name__ == "__main__":
+    main()

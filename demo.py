@@ -3,9 +3,11 @@
     python demo.py              # (or `make demo`, which first sets up .venv)
 
 Stages run as plain commands (shown as they start), each from the previous stage's output:
-    python sft.py                       -> runs/sft   held-out exact match of greedy answers
-    python rm.py --pretrain runs/sft    -> runs/rm    held-out pair accuracy (chosen scored higher)
-    python prm.py                       -> runs/prm   held-out step accuracy (running-sum solutions)
+    python sft.py                       -> runs/sft         held-out exact match of greedy answers
+    python rm.py --pretrain runs/sft    -> runs/rm          held-out pair accuracy (chosen scored higher)
+    python sft.py --dataset toy_world/steps_train.jsonl ... -> runs/sft_steps   a policy that writes
+                                                            running sums step by step (exact match)
+    python prm.py --pretrain runs/sft_steps -> runs/prm     held-out step accuracy of the judge
 """
 
 import json
@@ -20,12 +22,21 @@ from rich.table import Table
 
 import toy
 
-STAGES = [
-    ("SFT", ["sft.py", "--save_path", "runs/sft"], "runs/sft", "eval_exact_match", "held-out exact match"),
-    ("RM", ["rm.py", "--pretrain", "runs/sft", "--save_path", "runs/rm"], "runs/rm", "eval_acc",
-     "held-out pair accuracy"),
-    ("PRM", ["prm.py", "--save_path", "runs/prm"], "runs/prm", "eval_step_acc", "held-out step accuracy"),
-]
+
+def stages(world):
+    steps = ["--dataset", f"{world}/steps_train.jsonl", "--eval_dataset", f"{world}/steps_test.jsonl",
+             "--learning_rate", "1e-3", "--lr_warmup_ratio", "0.1", "--train_batch_size", "64",
+             "--micro_train_batch_size", "64", "--max_len", "64", "--max_epochs", "4", "--eval_generate_samples", "500",
+             "--generate_max_len", "48"]
+    return [
+        ("SFT", ["sft.py", "--save_path", "runs/sft"], "runs/sft", "eval_exact_match", "held-out exact match"),
+        ("RM", ["rm.py", "--pretrain", "runs/sft", "--save_path", "runs/rm"], "runs/rm", "eval_acc",
+         "held-out pair accuracy"),
+        ("SFT steps", ["sft.py", *steps, "--save_path", "runs/sft_steps"], "runs/sft_steps", "eval_exact_match",
+         "held-out exact match (solutions)"),
+        ("PRM", ["prm.py", "--pretrain", "runs/sft_steps", "--save_path", "runs/prm"], "runs/prm", "eval_step_acc",
+         "held-out step accuracy"),
+    ]
 
 
 def main():
@@ -34,14 +45,14 @@ def main():
     t = time.time()
     world = toy.ensure_toy_world()
     rows = [("toy world", "", "", f"{time.time() - t:.1f}", "", os.path.relpath(world))]
-    for name, cmd, out, key, what in STAGES:
+    for name, cmd, out, key, what in stages(os.path.relpath(world)):
         console.rule(f"[bold]{name}: python {' '.join(cmd)}")
         t = time.time()
         subprocess.run([sys.executable, str(root / cmd[0]), *cmd[1:]], check=True)
         wall = time.time() - t
         results = json.loads((Path(out) / "eval_results.json").read_text())
         rows.append((name, what, f"{results[key]:.1%}", f"{wall:.1f}", f"{results['peak_rss_mb']:.0f}", out))
-    table = Table(title="Toy world: two-digit addition, 2 CPU cores")
+    table = Table(title="Toy world: two-digit addition and running sums, 2 CPU cores")
     for col in ("stage", "metric", "value", "wall time (s)", "peak RSS (MB)", "output"):
         table.add_column(col)
     for row in rows:

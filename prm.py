@@ -1,6 +1,6 @@
 """Process reward model: a causal LM that judges every reasoning step.
 
-    python prm.py                                   # the toy world: running sums with injected errors
+    python prm.py --pretrain runs/sft_steps         # toy world: judge running sums (see demo.py)
     deepspeed --num_gpus 8 prm.py --pretrain Qwen/Qwen2.5-Math-7B --dataset math_shepherd.jsonl \\
         --input_key input --label_key label --placeholder_token "ки" --reward_tokens "+" "-" \\
         --zero_stage 3 --bf16 --packing_samples --learning_rate 2e-6
@@ -101,7 +101,8 @@ def score_steps(model, tokenizer, text):
 
 @torch.no_grad()
 def evaluate(engine, data, reward_ids, placeholder_id, pad_id, args):
-    """Step accuracy and, with hard labels, solution accuracy (a solution is good iff all its steps are)."""
+    """Step accuracy, and solution accuracy: a solution is judged good iff all its steps are (a soft label
+    counts as good when p > 0.5)."""
     model = engine.module
     model.eval()
     steps = step_correct = solutions = solution_correct = loss_sum = 0.0
@@ -116,9 +117,9 @@ def evaluate(engine, data, reward_ids, placeholder_id, pad_id, args):
             row_logits = logits[row:row + 1, :len(seq_ids)]
             loss, acc = prm_loss(row_logits, seq_ids[None].to(engine.device), labels[None].to(engine.device),
                                  placeholder_id, reward_ids)
-            n = (seq_ids == placeholder_id).sum().item()
-            steps, step_correct, loss_sum = steps + n, step_correct + round(acc.item() * n), loss_sum + loss.item() * n
             at = seq_ids == placeholder_id
+            n = at.sum().item()
+            steps, step_correct, loss_sum = steps + n, step_correct + round(acc.item() * n), loss_sum + loss.item() * n
             predicted_good = row_logits[0][at.to(engine.device)][:, reward_ids].argmax(-1) == 0
             truly_good = labels[at] > 0.5 if labels.is_floating_point() else labels[at] == reward_ids[0]
             solutions += 1
@@ -138,8 +139,8 @@ def main():
     parser.set_defaults(save_path="runs/prm", learning_rate=2e-6)
     args = common.parse_args(parser, lambda root: dict(
         dataset=str(root / "prm_train.jsonl"), eval_dataset=str(root / "prm_test.jsonl"),
-        learning_rate=1e-3, lr_warmup_ratio=0.1, train_batch_size=64, micro_train_batch_size=64,
-        max_epochs=3, max_len=64))
+        learning_rate=3e-4, lr_warmup_ratio=0.1, train_batch_size=64, micro_train_batch_size=64,
+        max_epochs=6, max_len=64))
     common.init_distributed(args)
     start = time.time()
 

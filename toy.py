@@ -2,7 +2,11 @@
 
 Every script trains on it when run with no arguments, so the whole pipeline runs on a laptop CPU
 with nothing downloaded. The task is two-digit addition ("07+45=" -> "52"): small enough that SFT
-learns it in a minute on 2 cores, hard enough that RL has something left to improve.
+learns it in a minute on 2 cores, hard enough that RL has something left to improve. Process reward
+models get running sums solved step by step ("07+45+08" -> "07+45=52", "52+08=60"): a policy is first
+fine-tuned to write such solutions (steps_*), and the PRM, started from it, learns to judge them (prm_*).
+A PRM trained from the random-init model stays near the majority class: checking a copied number from
+binary labels alone is out of its reach in minutes, which is why PRMs start from a capable LM.
 
     python toy.py            # builds ./toy_world (idempotent) and prints what is there
 
@@ -10,7 +14,8 @@ Layout of toy_world/:
     model/                      tokenizer + LlamaForCausalLM, random init (save_pretrained)
     sft_{train,test}.jsonl      {"input": "07+45=", "output": "52"}
     pref_{train,test}.jsonl     {"input": "07+45=", "chosen": "52", "rejected": "53"}
-    prm_{train,test}.jsonl      {"input": "07+45+08\n07+45=52 ки\n52+08=61 ки", "label": ["+", "-"]}
+    steps_{train,test}.jsonl    {"input": "07+45+08\n", "output": "07+45=52\n52+08=60"}  (running sums, step by step)
+    prm_{train,test}.jsonl      {"input": "07+45+08\n07+45=52 ки\n25+08=33 ки", "label": ["+", "-"]}
     prompts_{train,test}.jsonl  {"input": "07+45=", "label": "52"}
 """
 
@@ -24,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 TOY_DIR = Path(os.environ.get("TOY_WORLD_DIR", Path(__file__).resolve().parent / "toy_world"))
-VERSION = "2"  # bump when the generator changes, so stale worlds get rebuilt
+VERSION = "3"  # bump when the generator changes, so stale worlds get rebuilt
 PLACEHOLDER = "ки"  # step marker for PRM data (Math-Shepherd's), one token in the toy tokenizer
 N_TEST = 500  # held-out prompts; the other 9,500 of the 10,000 "ab+cd=" prompts are for training
 
@@ -91,16 +96,29 @@ def misread(n, rng):
     return rng.choice(sorted(c for c in candidates if 0 <= c <= 99 and c != n))
 
 
-def prm_example(rng):
-    """A running-sum solution, one step per line ("05+15=20"; every number two digits, the total
-    staying below 100). With prob 1/2 a step after the first starts from a misread total (the previous
-    result copied wrong) and the error carries on; every line's own sum is right. Labels are
-    "+" up to the wrong step and "-" from it on (Math-Shepherd style). Slips are copy errors because
-    a 1M-parameter model from scratch does not learn to verify sums from binary labels in minutes."""
-    n_steps = rng.randint(2, 4)
-    final = rng.randint(10, 89)  # the terms are a random split of `final`; a slip adds at most 10 more
+def running_sum_terms(rng):
+    """2-4 steps of two-digit terms whose running total stays below 90, leaving room for a slip."""
+    n_steps, final = rng.randint(2, 4), rng.randint(10, 89)
     cuts = sorted(rng.randint(0, final) for _ in range(n_steps))
-    terms = [b - a for a, b in zip([0] + cuts, cuts + [final])]
+    return [b - a for a, b in zip([0] + cuts, cuts + [final])]
+
+
+def steps_example(terms):
+    """A running-sum problem and its step-by-step solution, one step per line, every number two digits."""
+    lines, total = [], terms[0]
+    for t in terms[1:]:
+        lines.append(f"{total:02d}+{t:02d}={total + t:02d}")
+        total += t
+    return {"input": "+".join(f"{t:02d}" for t in terms) + "\n", "output": "\n".join(lines)}
+
+
+def prm_example(terms, rng):
+    """A running-sum solution with a placeholder after every step. With prob 1/2 a step after the first
+    starts from a misread carried total (`misread`) and the error carries on to the end; every line's
+    own sum is right. Labels are "+" up to the wrong step and "-" from it on (Math-Shepherd style).
+    Wrong sums are not used: started from the steps policy, the toy PRM learns to spot misread totals
+    (99.8% of steps in 3 epochs) but stayed at the majority class with wrong sums mixed in."""
+    n_steps, final = len(terms) - 1, sum(terms)
     first_error = rng.randrange(1, n_steps) if rng.random() < 0.5 else None
     lines, labels, total = [], [], terms[0]
     for i, t in enumerate(terms[1:]):
@@ -126,7 +144,11 @@ def build_datasets(rng):
             {"input": p, "chosen": s, "rejected": wrong_sum(a, b, rng)} for p, s, a, b in prompts
         ]
         data[f"prompts_{split}"] = [{"input": p, "label": s} for p, s, _, _ in prompts]
-        data[f"prm_{split}"] = [prm_example(rng) for _ in range(len(ps))]
+        # the PRM judges solutions to the policy's own problems (as Math-Shepherd's rollouts do); the
+        # held-out problems are new to both
+        problems = [running_sum_terms(rng) for _ in range(len(ps))]
+        data[f"steps_{split}"] = [steps_example(terms) for terms in problems]
+        data[f"prm_{split}"] = [prm_example(terms, rng) for terms in problems]
     return data
 
 

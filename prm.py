@@ -139,7 +139,7 @@ def main():
     parser.set_defaults(save_path="runs/prm", learning_rate=2e-6)
     args = common.parse_args(parser, lambda root: dict(
         dataset=str(root / "prm_train.jsonl"), eval_dataset=str(root / "prm_test.jsonl"),
-        learning_rate=3e-4, lr_warmup_ratio=0.1, train_batch_size=64, micro_train_batch_size=64,
+        learning_rate=3e-4, lr_warmup_ratio=0.1, train_batch_size=32, micro_train_batch_size=32,
         max_epochs=6, max_len=64))
     common.init_distributed(args)
     start = time.time()

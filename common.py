@@ -326,6 +326,39 @@ def batch_sequences(seqs, pad_value, packing):
     return ids, mask, pos
 
 
+# ------------------------------------------------------------------------------------ tensor utilities
+def masked_mean(x, mask, dim=None):
+    """Mean of x over the entries where mask is true (over all of them, or along `dim`)."""
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum()
+    return (x * mask).sum(dim) / mask.sum(dim)
+
+
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
+    """(x - mean) / std over the masked entries (population variance); shift_mean=False adds the mean
+    back, so only the scale changes. Entries outside the mask come out as 0."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask.to(x.dtype)
+
+
+def approx_kl(logprobs, ref_logprobs, estimator="k1"):
+    """Per-token estimate of KL(policy || reference) from samples of the policy, d = logprobs - ref_logprobs:
+    k1 = d (unbiased, can be negative), k2 = d^2 / 2, k3 = exp(-d) - 1 + d (unbiased and >= 0; Schulman's)."""
+    d = logprobs - ref_logprobs
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return d ** 2 / 2
+    if estimator == "k3":
+        return torch.expm1(-d) + d
+    raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3")
+
+
 # ---------------------------------------------------------------------------------- saving / resume
 def save_hf_model(engine, tokenizer, path, args, extra_config=None):
     """Write a plain Hugging Face directory (ZeRO-3 shards gathered on rank 0), atomically:

@@ -1,3 +1,4 @@
+import argparse
 import os
 import socket
 import subprocess
@@ -12,6 +13,9 @@ sys.path.insert(0, str(ROOT))
 # Nothing can be downloaded here; DeepSpeed runs on its CPU accelerator with gloo.
 os.environ.update(HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
 
+import common  # noqa: E402  (imports after the environment they read)
+from transformers import AutoTokenizer  # noqa: E402
+
 
 @pytest.fixture(scope="session")
 def toy_world(tmp_path_factory):
@@ -21,6 +25,20 @@ def toy_world(tmp_path_factory):
     import toy
 
     return toy.ensure_toy_world(path)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(toy_world):
+    return AutoTokenizer.from_pretrained(toy_world / "model")
+
+
+def script_args(**flags):
+    """The parsed defaults of common.add_common_args, with the given flags (script-specific ones included)
+    set on top: what a script's helpers see, without running its main()."""
+    args = common.add_common_args(argparse.ArgumentParser()).parse_args([])
+    for k, v in flags.items():
+        setattr(args, k, v)
+    return args
 
 
 def run_script(script, *args, nproc=1, launcher="torchrun", cwd=None, timeout=600, check=True):

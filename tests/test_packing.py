@@ -1,29 +1,20 @@
 """Packing and last-token scoring: packed, left-padded and right-padded layouts give what each
 sequence gives alone, and our reward equals stock AutoModelForSequenceClassification's."""
-import argparse
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import common
 import rm
 import sft
+from conftest import script_args
 
 LENGTHS = [3, 7, 1, 12, 5, 9]
 
 
 def toy_args(**kw):
-    args = common.add_common_args(argparse.ArgumentParser()).parse_args([])
-    args.output_key, args.multiturn, args.chosen_key, args.rejected_key = "output", False, "chosen", "rejected"
-    for k, v in kw.items():
-        setattr(args, k, v)
-    return args
-
-
-@pytest.fixture(scope="module")
-def tokenizer(toy_world):
-    return AutoTokenizer.from_pretrained(toy_world / "model")
+    return script_args(**{"output_key": "output", "multiturn": False, "chosen_key": "chosen",
+                          "rejected_key": "rejected", **kw})
 
 
 @pytest.fixture(scope="module")

@@ -1,30 +1,21 @@
 """PRM data: every label sits on its step's placeholder token (one token, even when the tokenizer had
 to learn it), in padded and packed batches; truncation keeps whole steps; packed and padded batches
 give the same loss."""
-import argparse
 import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 import common
 import prm
+from conftest import script_args
 
 REWARD = ["+", "-"]
 
 
 def prm_args(**kw):
-    args = common.add_common_args(argparse.ArgumentParser()).parse_args([])
-    args.label_key, args.placeholder_token, args.max_len = "label", "ки", 64
-    for k, v in kw.items():
-        setattr(args, k, v)
-    return args
-
-
-@pytest.fixture(scope="module")
-def tokenizer(toy_world):
-    return AutoTokenizer.from_pretrained(toy_world / "model")
+    return script_args(**{"label_key": "label", "placeholder_token": "ки", "max_len": 64, **kw})
 
 
 def sample(placeholder, labels, lengths=(3, 6, 2)):

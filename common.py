@@ -359,6 +359,102 @@ def approx_kl(logprobs, ref_logprobs, estimator="k1"):
     raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3")
 
 
+# ------------------------------------------------------------------------------------ reward clients
+def reward_client(target, batch_size=64, timeout=60.0, retries=3, backoff=1.0):
+    """--remote_rm_url for the RL scripts: an http(s) URL speaking OpenRLHF's /get_reward API, or a
+    Python file defining reward_func. Returns f(queries, prompts, labels) -> (rewards, scores, extra_logs):
+    float tensors of len(queries), and {name: tensor of len(queries)}."""
+    if str(target).startswith(("http://", "https://")):
+        return lambda q, p, l: remote_rewards(target, q, p, l, batch_size, timeout, retries, backoff)
+    reward_func, source = load_reward_func(target), f"reward_func in {target}"
+    return lambda q, p, l: check_rewards(reward_func(q, p, l), len(q), source)
+
+
+def load_reward_func(path):
+    """`reward_func` from a Python file. The file is YOUR code: it runs in this process, with this
+    process's permissions, exactly like a script you start with python (so errors in it show its own
+    traceback). Signature and return value: see grpo.py's docstring."""
+    import importlib.util
+
+    path = Path(path)
+    if path.suffix != ".py" or not path.is_file():
+        fail(f"--remote_rm_url {path}: neither an http(s) URL nor an existing .py file")
+    spec = importlib.util.spec_from_file_location(f"user_reward_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "reward_func", None)):
+        fail(f"{path} defines no function reward_func(queries, prompts, labels)")
+    return module.reward_func
+
+
+def check_rewards(out, n, source):
+    """What a reward function or server returned -> (rewards, scores, extra_logs), or a clear error.
+    Accepted: n floats (list or 1-D tensor/array), or a dict with "rewards" (n floats; a server may send
+    only "scores"), optional "scores" (n floats, default: the rewards) and optional "extra_logs"
+    ({name: n floats or one float})."""
+    def floats(x, what):
+        try:
+            t = torch.as_tensor(x.tolist() if hasattr(x, "tolist") else x, dtype=torch.float32).flatten()
+        except (TypeError, ValueError, RuntimeError):
+            fail(f"{source}: {what} must be numbers, got {str(x)[:80]!r}")
+        if t.numel() != n:
+            fail(f"{source}: {what} has {t.numel()} values for {n} queries")
+        if not torch.isfinite(t).all():
+            fail(f"{source}: {what} holds NaN or infinity")
+        return t
+
+    if isinstance(out, dict):
+        if "rewards" not in out and "scores" not in out:
+            fail(f"{source}: returned a dict without 'rewards' (keys: {', '.join(map(str, out)) or 'none'})")
+        rewards = floats(out.get("rewards", out.get("scores")), "rewards")
+        scores = floats(out["scores"], "scores") if "scores" in out else rewards
+        extra = out.get("extra_logs") or {}
+        if not isinstance(extra, dict):
+            fail(f"{source}: extra_logs must be a dict of name -> values, got {type(extra).__name__}")
+        logs = {}
+        for k, v in extra.items():
+            v = v.tolist() if hasattr(v, "tolist") else v
+            logs[str(k)] = floats([v] * n if isinstance(v, (int, float)) else v, f"extra_logs[{k!r}]")
+        return rewards, scores, logs
+    if isinstance(out, (list, tuple, torch.Tensor, np.ndarray)):
+        rewards = floats(out, "rewards")
+        return rewards, rewards, {}
+    fail(f"{source}: returned {type(out).__name__}; expected a list/tensor of floats or a dict with 'rewards'")
+
+
+def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, retries=3, backoff=1.0):
+    """POST {"query", "prompts", "labels"} to `url` in batches and read the rewards back. Connection
+    errors, timeouts, 5xx and 429 are retried `retries` times, waiting backoff, 2*backoff, ...; after the
+    last one (or at once on any other 4xx) it stops with an error naming the URL and the cause: a
+    missing reward is never passed on as None or 0."""
+    import time
+
+    import httpx
+
+    outs = []
+    with httpx.Client(timeout=timeout) as client:
+        for i in range(0, len(queries), batch_size):
+            payload = {"query": queries[i:i + batch_size], "prompts": prompts[i:i + batch_size],
+                       "labels": labels[i:i + batch_size]}
+            for attempt in range(retries + 1):
+                try:
+                    response = client.post(url, json=payload)
+                    if response.status_code < 400:
+                        outs.append(check_rewards(response.json(), len(payload["query"]), url))
+                        break
+                    error = f"HTTP {response.status_code}: {response.text[:200]}"
+                    if response.status_code < 500 and response.status_code != 429:
+                        fail(f"reward server {url} refused the request ({error})")
+                except (httpx.HTTPError, json.JSONDecodeError) as e:
+                    error = f"{type(e).__name__}: {e}"
+                if attempt == retries:
+                    fail(f"reward server {url} failed {retries + 1} times; last error: {error}")
+                console.print(f"reward server {url}: {error}; retrying in {backoff * 2 ** attempt:g} s")
+                time.sleep(backoff * 2 ** attempt)
+    return (torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]),
+            {k: torch.cat([o[2][k] for o in outs]) for k in outs[0][2] if all(k in o[2] for o in outs)})
+
+
 # ---------------------------------------------------------------------------------- saving / resume
 def save_hf_model(engine, tokenizer, path, args, extra_config=None):
     """Write a plain Hugging Face directory (ZeRO-3 shards gathered on rank 0), atomically:
@@ -387,16 +483,17 @@ def save_hf_model(engine, tokenizer, path, args, extra_config=None):
     dist.barrier()
 
 
-def save_checkpoint(engine, args, step):
-    """Resumable state: model, optimizer, scheduler (DeepSpeed), data position (step) and each rank's RNG.
-    DeepSpeed writes the 'latest' pointer last, so a kill mid-save resumes from the previous checkpoint."""
+def save_checkpoint(engine, args, step, extra=None):
+    """Resumable state: model, optimizer, scheduler (DeepSpeed), data position (step, plus what a script
+    puts in `extra`) and each rank's RNG. DeepSpeed writes the 'latest' pointer last, so a kill mid-save
+    resumes from the previous checkpoint."""
     tag = f"global_step{step}"
     tag_dir = Path(args.ckpt_path) / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     torch.save(rng, tag_dir / f"rng_rank{dist.get_rank()}.pt")
-    engine.save_checkpoint(args.ckpt_path, tag=tag, client_state={"step": step})
+    engine.save_checkpoint(args.ckpt_path, tag=tag, client_state={"step": step, **(extra or {})})
     if is_rank0():
         old = sorted(Path(args.ckpt_path).glob("global_step*"), key=lambda p: int(p.name[len("global_step"):]))
         for p in old[:-args.max_ckpt_num]:
@@ -404,10 +501,11 @@ def save_checkpoint(engine, args, step):
     dist.barrier()
 
 
-def load_checkpoint(engine, args):
-    """Resume from the latest checkpoint in --ckpt_path; returns the step to continue from (0 if none)."""
+def load_checkpoint(engine, args, with_state=False):
+    """Resume from the latest checkpoint in --ckpt_path; returns the step to continue from (0 if none),
+    and with `with_state` also the dict that save_checkpoint stored (the `extra` keys)."""
     if not args.load_checkpoint or not (Path(args.ckpt_path) / "latest").exists():
-        return 0
+        return (0, {}) if with_state else 0
     load_path, client_state = engine.load_checkpoint(args.ckpt_path)
     if load_path is None:
         fail(f"could not load the checkpoint in {args.ckpt_path}")
@@ -420,7 +518,7 @@ def load_checkpoint(engine, args):
         torch.cuda.set_rng_state_all(rng["cuda"])
     if is_rank0():
         console.print(f"resumed from {args.ckpt_path} at step {step}")
-    return step
+    return (step, client_state) if with_state else step
 
 
 # --------------------------------------------------------------------------------------------- logging

@@ -16,7 +16,7 @@ Layout of toy_world/:
     pref_{train,test}.jsonl     {"input": "07+45=", "chosen": "52", "rejected": "53"}
     steps_{train,test}.jsonl    {"input": "07+45+08\n", "output": "07+45=52\n52+08=60"}  (running sums, step by step)
     prm_{train,test}.jsonl      {"input": "07+45+08\n07+45=52 ки\n25+08=33 ки", "label": ["+", "-"]}
-    prompts_{train,test}.jsonl  {"input": "07+45=", "label": "52"}
+    prompts_{train,test}.jsonl  {"input": "07+45=", "label": "52"}       (RL prompts; reward_func below scores them)
 """
 
 import json
@@ -150,6 +150,14 @@ def build_datasets(rng):
         data[f"steps_{split}"] = [steps_example(terms) for terms in problems]
         data[f"prm_{split}"] = [prm_example(terms, rng) for terms in problems]
     return data
+
+
+def reward_func(queries, prompts, labels):
+    """The toy task's rule reward, grpo.py's default --remote_rm_url (so this file doubles as an example
+    reward function): 1.0 when the completion is exactly the label (the sum), else 0.0, also logged as
+    accuracy. queries are prompt + completion, so the completion is what follows the prompt."""
+    correct = [float(q[len(p):].strip() == str(label)) for q, p, label in zip(queries, prompts, labels)]
+    return {"rewards": correct, "scores": correct, "extra_logs": {"accuracy": correct}}
 
 
 def is_current(path):

@@ -1,0 +1,274 @@
+"""grpo.py's math against naive float64 loops, and the reward clients (a reward_func file, a real HTTP
+server on 127.0.0.1 that fails twice before answering, one that never answers)."""
+import json
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+import common
+import grpo
+
+
+# ------------------------------------------------------------------------------------ advantages
+def loop_advantages(rewards, n, estimator, eps=1e-6):
+    out = []
+    for g in range(0, len(rewards), n):
+        group = rewards[g:g + n]
+        mean = sum(group) / n
+        std = math.sqrt(sum((x - mean) ** 2 for x in group) / (n - 1))
+        for i, r in enumerate(group):
+            if estimator == "group_norm":
+                out.append((r - mean) / (std + eps))
+            elif estimator in ("dr_grpo", "reinforce_baseline"):
+                out.append(r - mean)
+            elif estimator == "rloo":
+                out.append(r - sum(group[j] for j in range(n) if j != i) / (n - 1))
+            else:
+                out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("estimator", grpo.ESTIMATORS)
+def test_group_advantages_match_loop(estimator):
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(24, generator=g, dtype=torch.float64)
+    rewards[8:12] = 0.7  # a group of equal rewards: zero std, zero advantage (not NaN, not huge)
+    rewards[12:16] = torch.tensor([0.0, 1.0, 1.0, 0.0], dtype=torch.float64)  # 0/1 rewards as in the toy task
+    got = grpo.group_advantages(rewards, 4, estimator)
+    want = torch.tensor(loop_advantages(rewards.tolist(), 4, estimator), dtype=torch.float64)
+    assert torch.allclose(got, want, atol=1e-12), (got, want)
+    if estimator != "reinforce":
+        assert got[8:12].abs().max() < 1e-12
+
+
+def test_group_advantages_errors():
+    with pytest.raises(ValueError, match="groups of 4"):
+        grpo.group_advantages(torch.zeros(6), 4, "group_norm")
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        grpo.group_advantages(torch.zeros(8), 4, "ppo")
+
+
+def test_token_advantages_match_loop():
+    g = torch.Generator().manual_seed(1)
+    adv = torch.randn(3, generator=g, dtype=torch.float64)
+    kl = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
+    got = grpo.token_advantages(adv, kl, mask, kl_coef=0.3)
+    for b in range(3):
+        n = int(mask[b].sum())
+        for t in range(5):
+            # per-token reward: -0.3 kl_s on each response token, the sequence advantage at the last one
+            want = sum(-0.3 * kl[b, s].item() + (adv[b].item() if s == n - 1 else 0.0) for s in range(t, n)) \
+                if t < n else 0.0
+            assert abs(got[b, t].item() - want) < 1e-12
+
+
+def test_whiten_across_ranks_single_process():
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randn(k, generator=g, dtype=torch.float64) for k in (3, 1, 5)]
+    flat = [x for s in seqs for x in s.tolist()]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((x - mean) ** 2 for x in flat) / len(flat))
+    for got, s in zip(grpo.whiten_across_ranks(seqs), seqs):
+        assert torch.allclose(got, (s - mean) / std, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------ policy loss
+def loop_policy_loss(logp, old, adv, mask, low, high, mode, max_len, ref, kl_coef, dual_clip):
+    """The surrogate token by token, in float64 Python scalars."""
+    per_seq, tokens = [], []
+    for b in range(len(logp)):
+        seq = []
+        for t in range(len(logp[b])):
+            if not mask[b][t]:
+                continue
+            a = adv[b][t] if isinstance(adv[b], list) else adv[b]
+            ratio = math.exp(logp[b][t] - old[b][t])
+            clipped = min(max(ratio, 1 - low), 1 + high)
+            loss = -min(ratio * a, clipped * a)
+            if dual_clip is not None and a < 0:
+                loss = min(loss, -dual_clip * a)
+            if ref is not None:
+                d = logp[b][t] - ref[b][t]
+                loss += kl_coef * (math.exp(-d) - 1 + d)
+            seq.append(loss)
+        per_seq.append(seq)
+        tokens += seq
+    if mode == "token-mean":
+        return sum(tokens) / len(tokens)
+    if mode == "seq-mean-token-mean":
+        return sum(sum(s) / len(s) for s in per_seq) / len(per_seq)
+    return sum(sum(s) / max_len for s in per_seq) / len(per_seq)
+
+
+@pytest.mark.parametrize("mode", grpo.LOSS_AGG_MODES)
+@pytest.mark.parametrize("variant", ["plain", "clip_higher_dual_kl", "token_advantages"])
+def test_policy_loss_matches_loop(mode, variant):
+    g = torch.Generator().manual_seed(3)
+    B, T = 4, 6
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    logp = old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.4  # ratios well outside [0.8, 1.2]
+    ref = old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 2 + [0] * 4, [1] * 5 + [0]])
+    logp = torch.where(mask.bool(), logp, torch.tensor(50.0, dtype=torch.float64))  # garbage on padding
+    adv = torch.tensor([1.5, -0.7, 0.3, -2.0], dtype=torch.float64)
+    kwargs = dict(loss_agg_mode=mode, generate_max_len=8)
+    low, high, ref_in, kl_coef, dual = 0.2, 0.2, None, 0.0, None
+    if variant == "clip_higher_dual_kl":
+        low, high, ref_in, kl_coef, dual = 0.2, 0.28, ref, 0.05, 3.0
+    if variant == "token_advantages":
+        adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    got = grpo.policy_loss(logp, old, adv, mask, low, high, ref_logprobs=ref_in, kl_coef=kl_coef, dual_clip=dual,
+                           **kwargs)
+    want = loop_policy_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), low, high, mode, 8,
+                            None if ref_in is None else ref.tolist(), kl_coef, dual)
+    assert abs(got.item() - want) < 1e-10, (got.item(), want)
+
+
+def test_policy_loss_gradient_matches_loop():
+    """d loss / d logprobs from autograd equals the loop's derivative: ratio * A inside the clip range
+    (or where clipping would not bind), 0 where the clipped term is the smaller objective."""
+    g = torch.Generator().manual_seed(4)
+    old = -torch.rand(3, 5, generator=g, dtype=torch.float64)
+    logp = (old + torch.randn(3, 5, generator=g, dtype=torch.float64) * 0.3).requires_grad_()
+    adv = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
+    mask = torch.tensor([[1] * 5, [1] * 3 + [0] * 2, [1] * 5])
+    grpo.policy_loss(logp, old, adv, mask, 0.2, 0.28).backward()
+    n = int(mask.sum())
+    for b in range(3):
+        for t in range(5):
+            ratio = math.exp(logp[b, t].item() - old[b, t].item())
+            a = adv[b].item()
+            clipped_binds = (a > 0 and ratio > 1.28) or (a < 0 and ratio < 0.8)
+            want = 0.0 if not mask[b, t] or clipped_binds else -ratio * a / n
+            assert abs(logp.grad[b, t].item() - want) < 1e-12
+
+
+def test_policy_loss_errors():
+    x, m = torch.zeros(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match="generate_max_len"):
+        grpo.policy_loss(x, x, torch.zeros(2), m, loss_agg_mode="seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="unknown loss_agg_mode"):
+        grpo.policy_loss(x, x, torch.zeros(2), m, loss_agg_mode="sum")
+
+
+# ------------------------------------------------------------------------------------ reward clients
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_reward_func_file_forms(tmp_path):
+    queries, prompts, labels = ["1+1=2", "1+1=3", "2+2=4"], ["1+1=", "1+1=", "2+2="], ["2", "2", "4"]
+    as_list = write(tmp_path, "as_list.py", "def reward_func(queries, prompts, labels):\n"
+                    "    return [float(q[len(p):] == l) for q, p, l in zip(queries, prompts, labels)]\n")
+    rewards, scores, logs = common.reward_client(as_list)(queries, prompts, labels)
+    assert rewards.tolist() == [1.0, 0.0, 1.0] and scores.tolist() == [1.0, 0.0, 1.0] and logs == {}
+    as_dict = write(tmp_path, "as_dict.py", "import torch\ndef reward_func(queries, prompts, labels):\n"
+                    "    r = torch.tensor([len(q) for q in queries], dtype=torch.float32)\n"
+                    "    return {'rewards': r * 2, 'scores': r, 'extra_logs': {'len': r, 'const': 0.5}}\n")
+    rewards, scores, logs = common.reward_client(as_dict)(queries, prompts, labels)
+    assert rewards.tolist() == [10.0, 10.0, 10.0] and scores.tolist() == [5.0, 5.0, 5.0]
+    assert logs["len"].tolist() == [5.0] * 3 and logs["const"].tolist() == [0.5] * 3
+
+
+@pytest.mark.parametrize("body, message", [
+    ("return [1.0]", "has 1 values for 3 queries"),
+    ("return 'good'", "returned str"),
+    ("return {'reward': [1, 2, 3]}", "without 'rewards'"),
+    ("return [1.0, float('nan'), 0.0]", "NaN"),
+    ("return {'rewards': [1, 2, 3], 'extra_logs': [1]}", "extra_logs must be a dict"),
+    ("return [[1, 2], 'x', None]", "must be numbers"),
+])
+def test_reward_func_bad_returns(tmp_path, body, message):
+    path = write(tmp_path, "bad.py", f"def reward_func(queries, prompts, labels):\n    {body}\n")
+    with pytest.raises(SystemExit, match=message) as e:
+        common.reward_client(path)(["a", "b", "c"], ["", "", ""], [None] * 3)
+    assert "bad.py" in str(e.value)
+
+
+def test_reward_func_file_errors(tmp_path):
+    with pytest.raises(SystemExit, match="neither an http"):
+        common.reward_client(str(tmp_path / "missing.py"))
+    with pytest.raises(SystemExit, match="defines no function reward_func"):
+        common.reward_client(write(tmp_path, "empty.py", "x = 1\n"))
+
+
+class RewardServer:
+    """A real HTTP server on 127.0.0.1 in a thread: answers /get_reward with len(query) per query,
+    after `fail_first` 503s; `hang` makes it never answer in time."""
+
+    def __init__(self, fail_first=0, hang=False, status=None):
+        self.requests, self.fail_first = [], fail_first
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append(body)
+                if hang:
+                    time.sleep(3)
+                code = status or (503 if len(outer.requests) <= outer.fail_first else 200)
+                data = json.dumps({"rewards": [float(len(q)) for q in body["query"]]} if code == 200
+                                  else {"detail": "busy"}).encode()
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout)
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/get_reward"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_http_rewards_retry_then_answer_in_order():
+    server = RewardServer(fail_first=2)
+    try:
+        queries = [f"q{'x' * i}" for i in range(7)]
+        client = common.reward_client(server.url, batch_size=3, timeout=5, retries=3, backoff=0.05)
+        rewards, scores, logs = client(queries, ["p"] * 7, list(range(7)))
+        assert rewards.tolist() == [float(len(q)) for q in queries] and scores.tolist() == rewards.tolist()
+        # 2 failures, then 3 batches (3 + 3 + 1), each carrying OpenRLHF's three fields
+        assert len(server.requests) == 5
+        assert [len(r["query"]) for r in server.requests[2:]] == [3, 3, 1]
+        assert server.requests[-1] == {"query": queries[6:], "prompts": ["p"], "labels": [6]}
+    finally:
+        server.close()
+
+
+def test_http_rewards_never_answering_fails_loudly():
+    server = RewardServer(hang=True)
+    try:
+        t = time.time()
+        with pytest.raises(SystemExit, match=r"failed 3 times; last error: .*Timeout") as e:
+            common.reward_client(server.url, timeout=0.3, retries=2, backoff=0.05)(["a"], ["p"], [None])
+        assert server.url in str(e.value) and len(server.requests) == 3
+        assert time.time() - t < 3
+    finally:
+        server.close()
+
+
+def test_http_rewards_client_error_is_not_retried():
+    server = RewardServer(status=422)
+    try:
+        with pytest.raises(SystemExit, match="refused the request .HTTP 422"):
+            common.reward_client(server.url, timeout=5, retries=3, backoff=0.05)(["a"], ["p"], [None])
+        assert len(server.requests) == 1
+    finally:
+        server.close()

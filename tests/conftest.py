@@ -1,4 +1,5 @@
 import argparse
+import json
 import os
 import socket
 import subprocess
@@ -61,3 +62,8 @@ def run_script(script, *args, nproc=1, launcher="torchrun", cwd=None, timeout=60
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def results(path):
+    """eval_results.json, the figures a script wrote beside its saved model."""
+    return json.loads((Path(path) / "eval_results.json").read_text())

@@ -9,21 +9,16 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import prm
-from conftest import ROOT, run_script
+from conftest import ROOT, results, run_script
 
 # 128 samples, global batch 32 (micro 16 x 2 accumulation on one process, 8 x 2 on two): 4 steps an epoch
 SMALL = ["--max_samples", 128, "--train_batch_size", 32, "--max_epochs", 1, "--logging_steps", 1]
-
-
-def results(path):
-    return json.loads((Path(path) / "eval_results.json").read_text())
 
 
 @torch.no_grad()

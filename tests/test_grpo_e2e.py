@@ -8,13 +8,12 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from conftest import ROOT, run_script
+from conftest import ROOT, results, run_script
 
 STEP = ["--max_samples", 64, "--rollout_batch_size", 16, "--n_samples_per_prompt", 4, "--train_batch_size", 32,
         "--micro_train_batch_size", 16, "--logging_steps", 1]  # 4 steps of 16 prompts x 4 samples
@@ -32,10 +31,6 @@ def eval_file(toy_world, tmp_path_factory):
     path = tmp_path_factory.mktemp("grpo_eval") / "eval.jsonl"
     path.write_text("".join(open(toy_world / "prompts_test.jsonl").readlines()[:64]))
     return path
-
-
-def results(path):
-    return json.loads((Path(path) / "eval_results.json").read_text())
 
 
 @torch.no_grad()
@@ -100,7 +95,8 @@ def test_grpo_zero3_two_processes_kl_reward_packing_filtering(policy, eval_file,
 
 
 def test_grpo_vllm(policy, eval_file, tmp_path):
-    run_script("grpo.py", *STEP, "--pretrain", policy, "--eval_dataset", eval_file, "--vllm",
+    # ZeRO-3 on one process: the weights vLLM gets are gathered from their partitions first
+    run_script("grpo.py", *STEP, "--pretrain", policy, "--eval_dataset", eval_file, "--vllm", "--zero_stage", 3,
                "--advantage_estimator", "rloo", "--loss_agg_mode", "seq-mean-token-sum-norm",
                "--overlong_buffer_len", 2, "--non_stop_penalty", -1, "--save_path", tmp_path / "v")
     res = results(tmp_path / "v")
@@ -109,6 +105,27 @@ def test_grpo_vllm(policy, eval_file, tmp_path):
     assert res["eval_accuracy_before"] == pytest.approx(stock_accuracy(policy, eval_file), abs=1e-9)
     before, after = weights(policy), weights(tmp_path / "v")
     assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-4
+
+
+@torch.no_grad()
+def test_grpo_reward_model(policy, eval_file, tmp_path):
+    """--reward_pretrain: the reported eval reward equals the stock classifier's mean score of the saved
+    policy's greedy completions (prompt + completion + EOS, one at a time)."""
+    run_script("rm.py", "--pretrain", policy, "--max_samples", 256, "--train_batch_size", 32, "--save_path",
+               tmp_path / "rm")
+    run_script("grpo.py", *STEP, "--pretrain", policy, "--eval_dataset", eval_file, "--reward_pretrain",
+               tmp_path / "rm", "--save_path", tmp_path / "g")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "g")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "g").eval()
+    rm = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    scores = []
+    for line in open(eval_file):
+        ids = tok(json.loads(line)["input"], return_tensors="pt")["input_ids"]
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[0]
+        seq = out if out[-1] == tok.eos_token_id else torch.cat([out, torch.tensor([tok.eos_token_id])])
+        scores.append(rm(seq[None]).logits[0, 0].item())
+    assert results(tmp_path / "g")["eval_reward"] == pytest.approx(sum(scores) / len(scores), abs=1e-4)
 
 
 def test_vllm_matches_hf(policy, eval_file):

@@ -483,33 +483,39 @@ def save_hf_model(engine, tokenizer, path, args, extra_config=None):
     dist.barrier()
 
 
-def save_checkpoint(engine, args, step, extra=None):
+def save_checkpoint(engine, args, step, extra=None, others=None):
     """Resumable state: model, optimizer, scheduler (DeepSpeed), data position (step, plus what a script
-    puts in `extra`) and each rank's RNG. DeepSpeed writes the 'latest' pointer last, so a kill mid-save
-    resumes from the previous checkpoint."""
+    puts in `extra`) and each rank's RNG; `others` ({name: engine}, e.g. a critic) go to <ckpt_path>/<name>
+    first. DeepSpeed writes the 'latest' pointer last, so a kill mid-save resumes from the previous one."""
     tag = f"global_step{step}"
     tag_dir = Path(args.ckpt_path) / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
+    for name, other in (others or {}).items():
+        other.save_checkpoint(str(Path(args.ckpt_path) / name), tag=tag)
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     torch.save(rng, tag_dir / f"rng_rank{dist.get_rank()}.pt")
     engine.save_checkpoint(args.ckpt_path, tag=tag, client_state={"step": step, **(extra or {})})
     if is_rank0():
-        old = sorted(Path(args.ckpt_path).glob("global_step*"), key=lambda p: int(p.name[len("global_step"):]))
-        for p in old[:-args.max_ckpt_num]:
-            shutil.rmtree(p, ignore_errors=True)
+        for d in [Path(args.ckpt_path)] + [Path(args.ckpt_path) / name for name in others or {}]:
+            old = sorted(d.glob("global_step*"), key=lambda p: int(p.name[len("global_step"):]))
+            for p in old[:-args.max_ckpt_num]:
+                shutil.rmtree(p, ignore_errors=True)
     dist.barrier()
 
 
-def load_checkpoint(engine, args, with_state=False):
-    """Resume from the latest checkpoint in --ckpt_path; returns the step to continue from (0 if none),
-    and with `with_state` also the dict that save_checkpoint stored (the `extra` keys)."""
+def load_checkpoint(engine, args, with_state=False, others=None):
+    """Resume from the latest checkpoint in --ckpt_path (and `others` from the same step); returns the
+    step to continue from (0 if none), and with `with_state` also save_checkpoint's `extra` keys."""
     if not args.load_checkpoint or not (Path(args.ckpt_path) / "latest").exists():
         return (0, {}) if with_state else 0
     load_path, client_state = engine.load_checkpoint(args.ckpt_path)
     if load_path is None:
         fail(f"could not load the checkpoint in {args.ckpt_path}")
     step = client_state["step"]
+    for name, other in (others or {}).items():
+        if other.load_checkpoint(str(Path(args.ckpt_path) / name), tag=f"global_step{step}")[0] is None:
+            fail(f"could not load the {name} checkpoint of step {step} in {args.ckpt_path}")
     rng = torch.load(Path(args.ckpt_path) / f"global_step{step}" / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])

@@ -4,9 +4,13 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -15,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.update(HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
 
 import common  # noqa: E402  (imports after the environment they read)
-from transformers import AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -67,3 +71,86 @@ def run_script(script, *args, nproc=1, launcher="torchrun", cwd=None, timeout=60
 def results(path):
     """eval_results.json, the figures a script wrote beside its saved model."""
     return json.loads((Path(path) / "eval_results.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def policy(toy_world, tmp_path_factory):
+    """A short SFT run (~11% held-out accuracy): RL tests start here, so rewards vary and updates are real."""
+    out = tmp_path_factory.mktemp("rl") / "sft"
+    run_script("sft.py", "--max_epochs", 2, "--save_path", out, "--eval_generate_samples", 0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def eval_file(toy_world, tmp_path_factory):
+    """The first 64 held-out RL prompts."""
+    path = tmp_path_factory.mktemp("rl_eval") / "eval.jsonl"
+    path.write_text("".join(open(toy_world / "prompts_test.jsonl").readlines()[:64]))
+    return path
+
+
+@torch.no_grad()
+def stock_accuracy(path, eval_file):
+    """Greedy accuracy of the saved policy on the eval prompts: stock class, one prompt at a time."""
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    correct, records = 0, [json.loads(line) for line in open(eval_file)]
+    for r in records:
+        ids = tok(r["input"], return_tensors="pt")["input_ids"]
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        correct += tok.decode(out[0, ids.size(1):], skip_special_tokens=True).strip() == r["label"]
+    return correct / len(records)
+
+
+def last_logged(stdout_and_err, key, prefix="train step"):
+    """The value of `key` in the last log line of a run that starts with `prefix`."""
+    lines = [line for line in stdout_and_err.splitlines() if line.startswith(prefix)]
+    return float(lines[-1].split(f" {key}=")[1].split()[0])
+
+
+def weights(path, model_class=AutoModelForCausalLM):
+    """A saved model's tensors, for before/after and resume comparisons."""
+    model = model_class.from_pretrained(path)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+class RewardServer:
+    """A real HTTP server on 127.0.0.1 in a thread, speaking /get_reward: reward(query, prompt, label) per
+    query (default len(query)), after `fail_first` 503s; `hang` makes it never answer in time; `status`
+    answers every request with that code. Keeps every request body and the rewards it sent."""
+
+    def __init__(self, fail_first=0, hang=False, status=None, reward=lambda q, p, label: float(len(q))):
+        self.requests, self.sent, self.fail_first = [], [], fail_first
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append(body)
+                if hang:
+                    time.sleep(3)
+                code = status or (503 if len(outer.requests) <= outer.fail_first else 200)
+                rewards = [reward(*x) for x in zip(body["query"], body["prompts"], body["labels"])]
+                if code == 200:
+                    outer.sent.append(rewards)
+                data = json.dumps({"rewards": rewards} if code == 200 else {"detail": "busy"}).encode()
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout)
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/get_reward"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,16 +1,14 @@
 """grpo.py's math against naive float64 loops, and the reward clients (a reward_func file, a real HTTP
 server on 127.0.0.1 that fails twice before answering, one that never answers)."""
-import json
 import math
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 
 import common
 import grpo
+from conftest import RewardServer
 
 
 # ------------------------------------------------------------------------------------ advantages
@@ -197,44 +195,6 @@ def test_reward_func_file_errors(tmp_path):
         common.reward_client(str(tmp_path / "missing.py"))
     with pytest.raises(SystemExit, match="defines no function reward_func"):
         common.reward_client(write(tmp_path, "empty.py", "x = 1\n"))
-
-
-class RewardServer:
-    """A real HTTP server on 127.0.0.1 in a thread: answers /get_reward with len(query) per query,
-    after `fail_first` 503s; `hang` makes it never answer in time."""
-
-    def __init__(self, fail_first=0, hang=False, status=None):
-        self.requests, self.fail_first = [], fail_first
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.requests.append(body)
-                if hang:
-                    time.sleep(3)
-                code = status or (503 if len(outer.requests) <= outer.fail_first else 200)
-                data = json.dumps({"rewards": [float(len(q)) for q in body["query"]]} if code == 200
-                                  else {"detail": "busy"}).encode()
-                try:
-                    self.send_response(code)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout)
-                    pass
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/get_reward"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def test_http_rewards_retry_then_answer_in_order():

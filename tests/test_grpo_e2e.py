@@ -13,48 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from conftest import ROOT, results, run_script
+from conftest import ROOT, last_logged, results, run_script, stock_accuracy, weights
 
 STEP = ["--max_samples", 64, "--rollout_batch_size", 16, "--n_samples_per_prompt", 4, "--train_batch_size", 32,
         "--micro_train_batch_size", 16, "--logging_steps", 1]  # 4 steps of 16 prompts x 4 samples
-
-
-@pytest.fixture(scope="module")
-def policy(toy_world, tmp_path_factory):
-    out = tmp_path_factory.mktemp("grpo") / "sft"
-    run_script("sft.py", "--max_epochs", 2, "--save_path", out, "--eval_generate_samples", 0)
-    return out
-
-
-@pytest.fixture(scope="module")
-def eval_file(toy_world, tmp_path_factory):
-    path = tmp_path_factory.mktemp("grpo_eval") / "eval.jsonl"
-    path.write_text("".join(open(toy_world / "prompts_test.jsonl").readlines()[:64]))
-    return path
-
-
-@torch.no_grad()
-def stock_accuracy(path, eval_file):
-    """Greedy accuracy of the saved policy on the eval prompts: stock class, one prompt at a time."""
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    correct, records = 0, [json.loads(line) for line in open(eval_file)]
-    for r in records:
-        ids = tok(r["input"], return_tensors="pt")["input_ids"]
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        correct += tok.decode(out[0, ids.size(1):], skip_special_tokens=True).strip() == r["label"]
-    return correct / len(records)
-
-
-def last_logged(stdout_and_err, key, prefix="train step"):
-    lines = [line for line in stdout_and_err.splitlines() if line.startswith(prefix)]
-    return float(lines[-1].split(f" {key}=")[1].split()[0])
-
-
-def weights(path):
-    model = AutoModelForCausalLM.from_pretrained(path)
-    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def test_grpo_hf_zero0_kl_loss_and_resume(policy, eval_file, tmp_path):

@@ -24,6 +24,8 @@ read at EOS and the KL penalty on every response token (kl_penalized_rewards), a
 import argparse
 import math
 import os
+import socket
+import sys
 import time
 from pathlib import Path
 
@@ -136,31 +138,28 @@ def generate_hf(model, prompts, args, tokenizer, temperature):
     return out
 
 
-def start_vllm(model, args):
-    """An in-process vLLM engine beside the trainer, started on dummy weights: refresh_vllm gives it the
-    policy's at once, so it never rereads the checkpoint and added tokens just work."""
+def start_vllm(args, vocab_size):
+    """A vLLM engine in this process. It starts on dummy weights and gets the policy's right away
+    (load_vllm_weights), so it never rereads the checkpoint and tokens added to the vocabulary just work."""
     from vllm import LLM
 
     rng = torch.get_rng_state()  # LLM() reseeds torch's global RNG: keep ours (restored on resume)
-    llm = LLM(model=args.pretrain, load_format="dummy", hf_overrides={"vocab_size": model.config.vocab_size},
+    llm = LLM(model=args.pretrain, load_format="dummy", hf_overrides={"vocab_size": vocab_size},
               dtype="bfloat16" if args.bf16 else "float32", enforce_eager=True, seed=args.seed,
               max_model_len=args.prompt_max_len + args.generate_max_len, trust_remote_code=args.trust_remote_code,
-              gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+              gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+              tensor_parallel_size=args.vllm_tensor_parallel_size,
+              distributed_executor_backend="ray" if args.vllm_tensor_parallel_size > 1 else None)
     torch.set_rng_state(rng)
     return llm
 
 
-def refresh_vllm(llm, model, args):
-    """Copy the policy's current weights into the engine; under ZeRO-3 each tensor is gathered first."""
-    def weights():
-        for name, p in model.named_parameters():
-            with deepspeed.zero.GatheredParameters([p], enabled=args.zero_stage == 3):
-                yield name, p.detach().clone() if args.zero_stage == 3 else p.detach()
-
-    llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights(), is_checkpoint_format=True))
-    if model.config.tie_word_embeddings and not torch.cuda.is_available():
+def load_vllm_weights(llm, named_tensors, tied_embeddings):
+    """Hand (name, full tensor) pairs to the engine, in the checkpoint's names; drop its cached KV."""
+    llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(named_tensors), is_checkpoint_format=True))
+    if tied_embeddings and not torch.cuda.is_available():
         llm.collective_rpc(_repack_lm_head)
-    llm.reset_prefix_cache()  # cached KV of the old weights
+    llm.reset_prefix_cache()
 
 
 def _repack_lm_head(worker):
@@ -170,16 +169,127 @@ def _repack_lm_head(worker):
     lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
-def generate_vllm(llm, prompts, args, tokenizer, temperature):
-    """vLLM, one completion per prompt: the same contract as generate_hf."""
+def full_weights(model, args):
+    """(name, tensor) of every parameter, whole: under ZeRO-3 each is gathered (by all ranks) in turn."""
+    for name, p in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([p], enabled=args.zero_stage == 3):
+            yield name, p.detach().clone() if args.zero_stage == 3 else p.detach()
+
+
+def generate_vllm(llm, prompts, args, eos_id, temperature, with_logprobs=False):
+    """vLLM: one completion per prompt (repeat a prompt for more), same contract as generate_hf; with
+    `with_logprobs` also the engine's log-prob of each sampled token (raw logits, no temperature)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0,
-                            max_tokens=args.generate_max_len, stop_token_ids=[tokenizer.eos_token_id],
-                            detokenize=False)
+                            max_tokens=args.generate_max_len, stop_token_ids=[eos_id], detokenize=False,
+                            logprobs=0 if with_logprobs else None)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts], params, use_tqdm=False)
-    return [torch.tensor(o.outputs[0].token_ids, dtype=torch.long) for o in outputs]
+    tokens = [torch.tensor(o.outputs[0].token_ids, dtype=torch.long) for o in outputs]
+    if not with_logprobs:
+        return tokens
+    return tokens, [torch.tensor([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+                                 dtype=torch.float64) for o in outputs]
+
+
+# --ray: vLLM engines as Ray actors, on their own devices (or nodes), fed weights by broadcast
+def weight_group(address, port, rank, world):
+    """A process group of its own (not the trainer's) joining trainer rank 0 (rank 0 here) and the
+    engines: NCCL on GPUs, gloo on CPUs."""
+    from datetime import timedelta
+
+    store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timedelta(minutes=10))
+    if torch.cuda.is_available():
+        return dist.ProcessGroupNCCL(store, rank, world)
+    return dist.ProcessGroupGloo(store, rank, world, timedelta(minutes=10))
+
+
+class RayEngine:
+    """One vLLM engine in a Ray actor: generates for the trainer and takes new weights by broadcast."""
+
+    def __init__(self, args, vocab_size, tied_embeddings):
+        os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
+        if not torch.cuda.is_available():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.args, self.tied = args, tied_embeddings
+        self.llm = start_vllm(args, vocab_size)
+
+    def join_weight_group(self, address, port, rank, world):
+        self.group = weight_group(address, port, rank, world)
+
+    def receive_weights(self, specs):
+        """specs: (name, shape, dtype) in the order trainer rank 0 broadcasts them."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        tensors = []
+        for name, shape, dtype in specs:
+            tensors.append((name, torch.empty(shape, dtype=dtype, device=device)))
+            self.group.broadcast(tensors[-1][1], 0).wait()
+        load_vllm_weights(self.llm, tensors, self.tied)
+
+    def generate(self, prompts, eos_id, temperature, with_logprobs=False):
+        return generate_vllm(self.llm, [torch.tensor(p) for p in prompts], self.args, eos_id, temperature,
+                             with_logprobs)
+
+
+def start_ray_engines(args, model):
+    """Rank 0 joins the Ray cluster at --ray_address (or starts a local one) and creates
+    --vllm_num_engines named engines; the other ranks join and look them up. Rank 0 also opens the
+    weight group with them. -> (engines, group or None)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    address = [args.ray_address, None]
+    if dist.get_rank() == 0:
+        import ray
+
+        if __name__ != "__main__":  # imported (tests, notebooks): ship RayEngine's code, workers need not import us
+            ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        ray.init(address=args.ray_address, namespace="rlhf-minimal", include_dashboard=False)
+        # the others join the same cluster; a local one started here has token auth on (its token is in
+        # ~/.ray), which ranks launched before it was started must be told
+        address = [ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_MODE")]
+        gpus = 1 if torch.cuda.is_available() and args.vllm_tensor_parallel_size == 1 else 0
+        engines = [ray.remote(num_cpus=1, num_gpus=gpus)(RayEngine).options(name=f"vllm_engine_{i}").remote(
+            args, model.config.vocab_size, model.config.tie_word_embeddings) for i in range(args.vllm_num_engines)]
+    dist.broadcast_object_list(address, src=0)
+    if dist.get_rank() != 0:
+        if address[1]:
+            os.environ["RAY_AUTH_MODE"] = address[1]  # read when ray is imported
+        import ray
+
+        ray.init(address=address[0], namespace="rlhf-minimal")
+        engines = [ray.get_actor(f"vllm_engine_{i}") for i in range(args.vllm_num_engines)]
+    group = None
+    if dist.get_rank() == 0:
+        host = ray.util.get_node_ip_address()  # where the engines reach this process
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        joined = [e.join_weight_group.remote(host, port, 1 + i, 1 + len(engines)) for i, e in enumerate(engines)]
+        group = weight_group(host, port, 0, 1 + len(engines))
+        ray.get(joined)
+    return engines, group
+
+
+def sync_ray_engines(engines, group, model, args):
+    """After an update: every parameter, whole, from trainer rank 0 to all engines at once."""
+    import ray
+
+    specs = [(name, tuple(p.ds_shape if hasattr(p, "ds_shape") else p.shape), p.dtype)
+             for name, p in model.named_parameters()]
+    received = [e.receive_weights.remote(specs) for e in engines] if group is not None else []
+    for _, tensor in full_weights(model, args):
+        if group is not None:
+            group.broadcast(tensor.contiguous(), 0).wait()
+    ray.get(received)
+    dist.barrier()
+
+
+def generate_ray(engines, prompts, args, eos_id, temperature, with_logprobs=False):
+    """This rank's prompts go to one engine (rank modulo engines): the same contract as generate_vllm."""
+    import ray
+
+    engine = engines[dist.get_rank() % len(engines)]
+    return ray.get(engine.generate.remote([p.tolist() for p in prompts], eos_id, temperature, with_logprobs))
 
 
 def response_positions(batch, packing):
@@ -376,6 +486,10 @@ def main():
     a("--label_key", default=None, help="dataset field passed to reward functions as labels")
     a("--vllm", action="store_true", help="generate with an in-process vLLM engine (vllm, or vllm-cpu on CPU)")
     a("--vllm_gpu_memory_utilization", type=float, default=0.3, help="GPU share for vLLM beside training")
+    a("--ray", action="store_true", help="generate on vLLM engines that are Ray actors (own devices or nodes)")
+    a("--ray_address", default=None, help="an existing Ray cluster (default: $RAY_ADDRESS, else start one here)")
+    a("--vllm_num_engines", type=int, default=1, help="with --ray: how many vLLM engines")
+    a("--vllm_tensor_parallel_size", type=int, default=1, help="GPUs per vLLM engine")
     # models and rewards
     a("--critic_pretrain", default=None, help="critic start (default: the reward model, else the actor)")
     a("--reward_pretrain", default=None, help="a sequence-classification reward model")
@@ -389,7 +503,7 @@ def main():
     a("--non_stop_penalty", type=float, default=None, help="score of a completion without EOS (default: as scored)")
     a("--ref_reward_offload", action="store_true", help="keep the frozen models on the CPU between uses")
     a("--colocate", action=argparse.BooleanOptionalAction, default=True,
-      help="every model on every training process (the only placement without Ray)")
+      help="actor, critic, reference and reward model on every training process (--no-colocate: not yet)")
     # objective
     a("--init_kl_coef", type=float, default=0.01, help="KL penalty per token in the reward (0: no reference)")
     a("--kl_estimator", default="k1", choices=("k1", "k2", "k3"))
@@ -420,7 +534,8 @@ def main():
     if args.dual_clip is not None and args.dual_clip <= 1:
         common.fail("--dual_clip must be > 1")
     if not args.colocate:
-        common.fail("--no-colocate needs Ray placement, which this version does not have: models share devices")
+        common.fail("--no-colocate (actor, critic, reference and reward model on separate devices) is not "
+                    "supported: the trainer's models share its devices; --ray moves generation off them")
     client = args.remote_rm_url and common.reward_client(
         args.remote_rm_url, args.remote_rm_batch_size, args.remote_rm_timeout, args.remote_rm_retries)
     eval_fn = args.eval_reward_func and common.reward_client(args.eval_reward_func)
@@ -467,12 +582,20 @@ def main():
 
     start_step, state = common.load_checkpoint(actor, args, with_state=True, others={"critic": critic})
     cursor, kl_coef = [state.get("prompt_cursor", 0)], state.get("kl_coef", args.init_kl_coef)
-    if args.vllm:
-        llm = start_vllm(actor.module, args)
-        refresh_vllm(llm, actor.module, args)
-        generate = lambda ps, temperature: generate_vllm(llm, ps, args, tokenizer, temperature)  # noqa: E731
+    eos = tokenizer.eos_token_id
+    if args.ray:
+        engines, group = start_ray_engines(args, actor.module)
+        sync = lambda: sync_ray_engines(engines, group, actor.module, args)  # noqa: E731
+        generate = lambda ps, temperature: generate_ray(engines, ps, args, eos, temperature)  # noqa: E731
+    elif args.vllm:
+        llm = start_vllm(args, actor.module.config.vocab_size)
+        sync = lambda: load_vllm_weights(llm, full_weights(actor.module, args),  # noqa: E731
+                                         actor.module.config.tie_word_embeddings)
+        generate = lambda ps, temperature: generate_vllm(llm, ps, args, eos, temperature)  # noqa: E731
     else:
         generate = lambda ps, temperature: generate_hf(actor.module, ps, args, tokenizer, temperature)  # noqa: E731
+    if args.vllm or args.ray:
+        sync()
 
     logger = common.Logger(args, total_steps, start_step)
     results = {}
@@ -556,9 +679,9 @@ def main():
                 stats["value_clip_frac"].append(common.masked_mean(((v.detach() - old_v).abs() > args.value_clip).float(),
                                                                    m).item())
         times["train_s"] = time.time() - t
-        if args.vllm and train_actor:
+        if (args.vllm or args.ray) and train_actor:
             t = time.time()
-            refresh_vllm(llm, actor.module, args)
+            sync()
             times["sync_s"] = time.time() - t
 
         # 4. logs (means over all ranks), adaptive KL

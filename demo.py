@@ -11,6 +11,8 @@ Stages run as plain commands (shown as they start), each from the previous stage
     python sft.py --max_epochs 4 ...    -> runs/sft_short   a weaker addition policy (~33%) for RL to improve
     python grpo.py --pretrain runs/sft_short [--vllm] -> runs/grpo, runs/grpo_vllm
                                                             held-out accuracy before -> after, s/step
+    python ppo.py --pretrain runs/sft_short --reward_pretrain runs/rm --normalize_reward [--vllm | --ray]
+                                        -> runs/ppo, runs/ppo_vllm, runs/ppo_ray (the same, per backend)
 """
 
 import json
@@ -31,6 +33,8 @@ def stages(world):
              "--learning_rate", "1e-3", "--lr_warmup_ratio", "0.1", "--train_batch_size", "64",
              "--micro_train_batch_size", "64", "--max_len", "64", "--max_epochs", "4", "--eval_generate_samples", "500",
              "--generate_max_len", "48"]
+    # PPO trains on the RM's judgement; the toy rule (toy.reward_func) only measures held-out accuracy
+    ppo = ["--pretrain", "runs/sft_short", "--reward_pretrain", "runs/rm", "--normalize_reward"]
     return [
         ("SFT", ["sft.py", "--save_path", "runs/sft"], "runs/sft", "eval_exact_match", "held-out exact match"),
         ("RM", ["rm.py", "--pretrain", "runs/sft", "--save_path", "runs/rm"], "runs/rm", "eval_acc",
@@ -46,6 +50,11 @@ def stages(world):
          "eval_accuracy", "held-out greedy accuracy"),
         ("GRPO vLLM", ["grpo.py", "--pretrain", "runs/sft_short", "--vllm", "--save_path", "runs/grpo_vllm"],
          "runs/grpo_vllm", "eval_accuracy", "held-out greedy accuracy"),
+        ("PPO", ["ppo.py", *ppo, "--save_path", "runs/ppo"], "runs/ppo", "eval_accuracy", "held-out greedy accuracy"),
+        ("PPO vLLM", ["ppo.py", *ppo, "--vllm", "--save_path", "runs/ppo_vllm"], "runs/ppo_vllm", "eval_accuracy",
+         "held-out greedy accuracy"),
+        ("PPO Ray", ["ppo.py", *ppo, "--ray", "--save_path", "runs/ppo_ray"], "runs/ppo_ray", "eval_accuracy",
+         "held-out greedy accuracy"),
     ]
 
 
@@ -55,7 +64,8 @@ def shown(results, key):
     if f"{key}_before" in results:
         text = f"{results[f'{key}_before']:.1%} -> {text}"
     if "generate_s_per_step" in results:
-        text += f"; {results['generate_s_per_step']:.2f} s gen + {results['train_s_per_step']:.2f} s train a step"
+        phases = [k[:-len("_s_per_step")] for k in results if k.endswith("_s_per_step") and results[k] > 0]
+        text += "; s/step " + " + ".join(f"{k} {results[f'{k}_s_per_step']:.2f}" for k in phases)
     return text
 
 

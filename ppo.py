@@ -9,7 +9,9 @@ actor and critic with clipped losses.
         --actor_learning_rate 5e-7 --critic_learning_rate 9e-6 --init_kl_coef 0.01 --generate_max_len 1024
 
 Plain `deepspeed`/`torchrun`/`python`: every process holds actor, critic, reference and reward model
-(colocated) and generates its own share of the rollout. Rewards: --reward_pretrain (a sequence-
+(colocated) and generates its own share of the rollout, with HF generate or an in-process vLLM engine
+(--vllm). With --ray, generation moves to --vllm_num_engines vLLM engines running as Ray actors (other
+GPUs or nodes); trainer rank 0 broadcasts the new weights to them after every update. Rewards: --reward_pretrain (a sequence-
 classification RM, e.g. rm.py's output, read at EOS) or --remote_rm_url (an http(s) /get_reward URL or a
 reward_func.py file: see grpo.py's docstring for the exact contract). --eval_reward_func scores the eval
 completions with a second, rule-based function (the toy task's correctness) beside the training reward.

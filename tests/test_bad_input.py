@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from conftest import run_script
+from conftest import ROOT, run_script
 
 
 def one_line_error(proc):
@@ -98,3 +98,17 @@ def test_grpo_reward_func_returning_the_wrong_count(toy_world, tmp_path):
     line = one_line_error(run_script("grpo.py", "--remote_rm_url", reward, "--max_samples", 32, cwd=tmp_path,
                                      check=False))
     assert f"reward_func in {reward}" in line and "1 values for" in line
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "exactly one reward"),
+    (["--remote_rm_url", "toy.py", "--normalize_reward"], "--normalize_reward reads mean/std"),
+    (["--remote_rm_url", "toy.py", "--no-colocate"], "--no-colocate"),
+    (["--remote_rm_url", "toy.py", "--dual_clip", "0.5"], "--dual_clip must be > 1"),
+])
+def test_ppo_option_errors(toy_world, tmp_path, flags, message):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"input": "1+2=", "label": "3"}) + "\n")
+    flags = [str(ROOT / f) if f.endswith(".py") else f for f in flags]
+    line = one_line_error(run_script("ppo.py", "--dataset", data, *flags, cwd=tmp_path, check=False))
+    assert message in line

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+import grpo
 import ppo
 
 
@@ -111,11 +112,13 @@ def test_adaptive_kl_coef():
     assert ppo.adaptive_kl_coef(0.1, kl=0.9, target=1.0, horizon=10000, n_samples=1000) == pytest.approx(0.099)
 
 
-def test_whiten_across_ranks_single_process():
+@pytest.mark.parametrize("script", [grpo, ppo])
+def test_whiten_across_ranks_single_process(script):
+    """Batch whitening of per-token advantages (each script has its own copy) vs a float64 loop."""
     g = torch.Generator().manual_seed(2)
     seqs = [torch.randn(k, generator=g, dtype=torch.float64) for k in (3, 1, 5)]
     flat = [x for s in seqs for x in s.tolist()]
     mean = sum(flat) / len(flat)
     std = math.sqrt(sum((x - mean) ** 2 for x in flat) / len(flat))
-    for got, s in zip(ppo.whiten_across_ranks(seqs), seqs):
+    for got, s in zip(script.whiten_across_ranks(seqs), seqs):
         assert torch.allclose(got.double(), (s - mean) / std, atol=1e-6)

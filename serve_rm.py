@@ -1,0 +1,338 @@
+"""A reward-model server speaking OpenRLHF's /get_reward API, with batching across concurrent requests.
+
+    python serve_rm.py --reward_pretrain runs/rm                       # 127.0.0.1:5000
+    python serve_rm.py --reward_pretrain runs/prm --rm_type prm --prm_reduce min
+    RM_API_KEY=secret python serve_rm.py --reward_pretrain ckpt/rm --host 0.0.0.0 --bf16 --max_len 4096
+
+    curl -s 127.0.0.1:5000/get_reward -d '{"query": ["07+45=52"]}'
+    -> {"rewards": [1.23], "scores": [1.23], "extra_logs": {}}
+
+API
+  POST /get_reward  {"query": [str, ...], "prompts": [...]?, "labels": [...]?}  (what OpenRLHF's trainer
+                    sends), or {"messages": [[{"role": ..., "content": ...}, ...], ...]} (rendered with the
+                    model's chat template). Reply: "rewards" and "scores" (the same floats, in request
+                    order; current OpenRLHF clients read "scores", older ones "rewards") and "extra_logs";
+                    with --rm_type prm also "step_rewards", the per-step probabilities of each query.
+  GET /health       200 once the model is loaded, 503 before.
+  GET /info         model, kind, max_len and batching limits.
+Bad requests get a 4xx naming the field (invalid JSON 400, auth 401, too large 413, bad fields 422);
+the server never answers with a traceback. With --api_key (or $RM_API_KEY) every request needs
+"Authorization: Bearer <key>". Request contents are never logged unless --log_requests.
+
+Reward kinds (--rm_type):
+  seq_cls          a sequence classifier (rm.py's output, any HF *ForSequenceClassification RM) read at
+                   the EOS appended to each query, as rm.py trains; --normalize_reward uses the
+                   mean/std in its config
+  causal_lm_token  a causal LM's logit of --reward_token_id at the position after the query
+  prm              a prm.py model: P(first reward token) at every step placeholder, reduced per query
+                   with --prm_reduce min|last|mean
+
+How it is fast: requests are tokenized on arrival and queued; one worker thread takes everything queued
+within --max_wait_ms, sorts the sequences by length (less padding) and runs them in batches of at most
+--max_batch_tokens padded tokens (a huge request is split the same way, never run whole), while the
+event loop keeps accepting requests.
+"""
+
+import argparse
+import asyncio
+import hmac
+import json
+import os
+import queue
+import threading
+import time
+from contextlib import asynccontextmanager
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError, model_validator
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+import common
+
+
+# -------------------------------------------------------------------------------------------- requests
+class Message(BaseModel):
+    role: StrictStr
+    content: StrictStr
+
+
+class RewardRequest(BaseModel):
+    """What a client may send: OpenRLHF's fields, or chat messages. Unknown fields are ignored."""
+    model_config = ConfigDict(extra="ignore")
+    query: list[StrictStr] | None = None
+    prompts: list[StrictStr] | None = None
+    labels: list | None = None
+    messages: list[list[Message]] | None = None
+
+    @model_validator(mode="after")
+    def one_batch(self):
+        if (self.query is None) == (self.messages is None):
+            raise ValueError("send exactly one of 'query' (strings) and 'messages' (chat conversations)")
+        n = len(self.query if self.query is not None else self.messages)
+        if n == 0:
+            raise ValueError("'query'/'messages' is empty")
+        for name in ("prompts", "labels"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"'{name}' has {len(value)} items for {n} queries")
+        return self
+
+
+def error(status, message):
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def field_errors(e: ValidationError):
+    """pydantic's errors as one line naming each field, e.g. "query.2: Input should be a valid string"."""
+    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
+
+
+async def read_body(request: Request, limit):
+    """The raw body, or None when it is larger than `limit` bytes (checked while it streams in)."""
+    if int(request.headers.get("content-length") or 0) > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# ---------------------------------------------------------------------------------------------- model
+def strip_specials(text, tokenizer):
+    """OpenRLHF's trainer may send decoded sequences with pad/eos tokens around them: drop those."""
+    specials = [t for t in (tokenizer.pad_token, tokenizer.eos_token) if t]
+    changed = True
+    while changed:
+        changed = False
+        for t in specials:
+            if text.startswith(t):
+                text, changed = text[len(t):], True
+            if text.endswith(t):
+                text, changed = text[:-len(t)], True
+    return text
+
+
+def tokenize(text, tokenizer, args, templated=False):
+    """Token ids as scored: seq_cls ends with the EOS the reward is read at (kept when truncating to
+    --max_len), as rm.py trains; the other kinds score the text as is (truncated from the left, keeping
+    its end). Text rendered by a chat template already holds its special tokens (BOS)."""
+    text = strip_specials(text.rstrip() if templated else text, tokenizer)
+    if args.rm_type == "seq_cls":
+        ids = tokenizer(text, add_special_tokens=not templated)["input_ids"] + [tokenizer.eos_token_id]
+        return ids[:args.max_len - 1] + [tokenizer.eos_token_id] if len(ids) > args.max_len else ids
+    return tokenizer(text, add_special_tokens=not templated)["input_ids"][-args.max_len:]
+
+
+@torch.no_grad()
+def score_batch(model, batch, args, pad_id):
+    """One padded forward over token-id lists -> a float per sequence (prm: a list of step probabilities)."""
+    device = next(model.parameters()).device
+    ids, mask, _ = common.batch_sequences([torch.tensor(b) for b in batch], pad_id, False)
+    ids, mask = ids.to(device), mask.to(device)
+    last = mask.sum(-1) - 1  # right padding: each sequence's last real token
+    if args.rm_type == "seq_cls":
+        rewards = model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+        return ((rewards - args.mean) / args.std).tolist()
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    if args.rm_type == "causal_lm_token":
+        return logits[torch.arange(len(batch)), last, args.reward_token_id].float().tolist()
+    cfg = model.config  # prm: P(first reward token) at each placeholder
+    probs = torch.softmax(logits[..., cfg.reward_token_ids].float(), -1)[..., 0]
+    return [probs[i][(ids[i] == cfg.placeholder_token_id) & mask[i].bool()].tolist() for i in range(len(batch))]
+
+
+def load(args):
+    """Tokenizer and model (eval mode), with what the reward kind needs checked up front."""
+    tokenizer = common.load_tokenizer(args.reward_pretrain, args)
+    if args.load_in_4bit:
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            common.fail("--load_in_4bit needs bitsandbytes (GPU only)")
+    kwargs = {"model_class": AutoModelForSequenceClassification, "num_labels": 1} if args.rm_type == "seq_cls" \
+        else {"model_class": AutoModelForCausalLM}
+    if args.load_in_4bit:
+        from transformers import BitsAndBytesConfig
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    model = common.load_model(args.reward_pretrain, args, tokenizer, **kwargs).eval()
+    if not args.load_in_4bit:
+        model.to("cuda" if torch.cuda.is_available() else "cpu")
+    if args.rm_type == "prm" and not hasattr(model.config, "placeholder_token_id"):
+        common.fail(f"{args.reward_pretrain} has no placeholder_token_id in its config: not a prm.py model")
+    if args.rm_type == "causal_lm_token" and args.reward_token_id is None:
+        common.fail("--rm_type causal_lm_token needs --reward_token_id")
+    args.mean, args.std = 0.0, 1.0
+    if args.normalize_reward:
+        args.mean, args.std = getattr(model.config, "mean", 0.0), getattr(model.config, "std", 1.0)
+    return tokenizer, model
+
+
+class Batcher:
+    """One worker thread owns the model. Jobs (a request's token-id lists and a future) are merged with
+    whatever else arrives within --max_wait_ms, sorted by length and run in batches of at most
+    --max_batch_tokens padded tokens; each future gets its results in its own order."""
+
+    def __init__(self, model, args, pad_id):
+        self.model, self.args, self.pad_id = model, args, pad_id
+        self.jobs = queue.Queue()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    async def score(self, seqs):
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.jobs.put((seqs, future, loop))
+        return await future
+
+    def run(self):
+        while True:
+            jobs = [self.jobs.get()]
+            deadline = time.monotonic() + self.args.max_wait_ms / 1000
+            tokens = sum(len(s) for s in jobs[0][0])
+            while tokens < self.args.max_batch_tokens and (wait := deadline - time.monotonic()) > 0:
+                try:
+                    jobs.append(self.jobs.get(timeout=wait))
+                    tokens += sum(len(s) for s in jobs[-1][0])
+                except queue.Empty:
+                    break
+            items = sorted(((len(s), j, i) for j, (seqs, _, _) in enumerate(jobs) for i, s in enumerate(seqs)),
+                           reverse=True)
+            results = [[None] * len(seqs) for seqs, _, _ in jobs]
+            try:
+                start = 0
+                while start < len(items):  # longest first: the batch width is its first sequence's length
+                    n = max(1, self.args.max_batch_tokens // items[start][0])
+                    chunk = items[start:start + n]
+                    for (_, j, i), r in zip(chunk, score_batch(self.model, [jobs[j][0][i] for _, j, i in chunk],
+                                                               self.args, self.pad_id)):
+                        results[j][i] = r
+                    start += n
+                for (_, future, loop), r in zip(jobs, results):
+                    loop.call_soon_threadsafe(future.set_result, r)
+            except Exception as e:  # e.g. out of memory: these requests fail, the server lives on
+                for _, future, loop in jobs:
+                    loop.call_soon_threadsafe(future.set_exception, e)
+
+
+# ---------------------------------------------------------------------------------------------- app
+def create_app(args):
+    state = {}
+
+    def load_in_background():
+        try:
+            tokenizer, model = load(args)
+            state.update(tokenizer=tokenizer, batcher=Batcher(model, args, tokenizer.pad_token_id))
+        except SystemExit as e:  # a clear load error: say it and stop the server
+            common.console.print(str(e), markup=False)
+            os._exit(1)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        threading.Thread(target=load_in_background, daemon=True).start()  # /health answers meanwhile
+        yield
+
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if args.api_key:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {args.api_key}".encode()):
+                return error(401, "missing or wrong 'Authorization: Bearer <key>' header")
+        try:
+            return await call_next(request)
+        except Exception as e:  # never a traceback to the client; the type goes to our log
+            common.console.print(f"internal error on {request.url.path}: {type(e).__name__}", markup=False)
+            return error(500, "internal error")
+
+    @app.get("/health")
+    async def health():
+        if "batcher" not in state:
+            return error(503, "loading the model")
+        return {"status": "ok"}
+
+    @app.get("/info")
+    async def info():
+        return {"model": args.reward_pretrain, "rm_type": args.rm_type, "max_len": args.max_len,
+                "max_batch_tokens": args.max_batch_tokens, "max_wait_ms": args.max_wait_ms,
+                "max_texts": args.max_texts, "max_body_mb": args.max_body_mb, "ready": "batcher" in state}
+
+    @app.post("/get_reward")
+    async def get_reward(request: Request):
+        body = await read_body(request, int(args.max_body_mb * 2**20))
+        if body is None:
+            return error(413, f"body larger than --max_body_mb {args.max_body_mb}")
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return error(400, f"invalid JSON: {e}")
+        if not isinstance(data, dict):
+            return error(422, f"body: expected a JSON object, got {type(data).__name__}")
+        try:
+            req = RewardRequest.model_validate(data)
+        except ValidationError as e:
+            return error(422, field_errors(e))
+        n = len(req.query if req.query is not None else req.messages)
+        if n > args.max_texts:
+            return error(413, f"{n} texts, more than --max_texts {args.max_texts}")
+        if "batcher" not in state:
+            return error(503, "loading the model")
+        tokenizer = state["tokenizer"]
+        if req.messages is not None:
+            if not tokenizer.chat_template:
+                return error(422, "messages: this model's tokenizer has no chat template; send 'query'")
+            try:
+                texts = [tokenizer.apply_chat_template([m.model_dump() for m in conv], tokenize=False)
+                         for conv in req.messages]
+            except Exception as e:  # a template may reject a role order, say
+                return error(422, f"messages: the chat template refused them ({type(e).__name__}: {e})")
+        else:
+            texts = req.query
+        if args.log_requests:
+            common.console.print(f"get_reward {json.dumps(texts)[:2000]}", markup=False)
+        results = await state["batcher"].score([tokenize(t, tokenizer, args, req.messages is not None)
+                                                for t in texts])
+        if args.rm_type != "prm":
+            return {"rewards": results, "scores": results, "extra_logs": {}}
+        reduce = {"min": min, "last": lambda s: s[-1], "mean": lambda s: sum(s) / len(s)}[args.prm_reduce]
+        rewards = [reduce(steps) if steps else 0.0 for steps in results]
+        return {"rewards": rewards, "scores": rewards, "step_rewards": results, "extra_logs": {}}
+
+    return app
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    a = p.add_argument
+    a("--reward_pretrain", required=True, help="the reward model: a local directory or a hub name")
+    a("--rm_type", default="seq_cls", choices=("seq_cls", "causal_lm_token", "prm"))
+    a("--reward_token_id", type=int, default=None, help="causal_lm_token: the token whose logit is the reward")
+    a("--prm_reduce", default="min", choices=("min", "last", "mean"), help="prm: one reward from the steps")
+    a("--normalize_reward", action="store_true", help="seq_cls: (r - mean) / std with the config's mean/std")
+    a("--max_len", type=int, default=2048, help="longest sequence scored (longer ones are truncated)")
+    a("--bf16", action="store_true")
+    a("--flash_attn", action="store_true")
+    a("--load_in_4bit", action="store_true", help="bitsandbytes 4-bit weights (GPU)")
+    a("--trust_remote_code", action="store_true")
+    a("--host", default="127.0.0.1", help="0.0.0.0 to accept other machines (set --api_key then)")
+    a("--port", type=int, default=5000)
+    a("--api_key", default=os.environ.get("RM_API_KEY"), help="require 'Authorization: Bearer KEY' (or $RM_API_KEY)")
+    a("--max_batch_tokens", type=int, default=16384, help="padded tokens per forward")
+    a("--max_wait_ms", type=float, default=5.0, help="how long the worker waits for more requests to batch")
+    a("--max_body_mb", type=float, default=16.0)
+    a("--max_texts", type=int, default=4096, help="texts per request")
+    a("--log_requests", action="store_true", help="log request texts and the access log (off: nothing of them)")
+    args = p.parse_args()
+    args.gradient_checkpointing = False
+    uvicorn.run(create_app(args), host=args.host, port=args.port, log_level="warning",
+                access_log=args.log_requests, timeout_graceful_shutdown=30)
+
+
+if __name__ == "__main__":
+    main()

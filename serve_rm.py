@@ -28,9 +28,9 @@ Reward kinds (--rm_type):
                    with --prm_reduce min|last|mean
 
 How it is fast: requests are tokenized on arrival and queued; one worker thread takes everything queued
-within --max_wait_ms, sorts the sequences by length (less padding) and runs them in batches of at most
---max_batch_tokens padded tokens (a huge request is split the same way, never run whole), while the
-event loop keeps accepting requests.
+(waiting up to --max_wait_ms for requests already in flight, never when a request is alone), sorts the
+sequences by length (less padding) and runs them in batches of at most --max_batch_tokens padded tokens
+(a huge request is split the same way, never run whole), while the event loop keeps accepting requests.
 """
 
 import argparse
@@ -181,6 +181,7 @@ class Batcher:
     def __init__(self, model, args, pad_id):
         self.model, self.args, self.pad_id = model, args, pad_id
         self.jobs = queue.Queue()
+        self.in_flight = 0  # requests the server is handling; no waiting for company when alone
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
 
@@ -195,7 +196,8 @@ class Batcher:
             jobs = [self.jobs.get()]
             deadline = time.monotonic() + self.args.max_wait_ms / 1000
             tokens = sum(len(s) for s in jobs[0][0])
-            while tokens < self.args.max_batch_tokens and (wait := deadline - time.monotonic()) > 0:
+            while (tokens < self.args.max_batch_tokens and self.in_flight > len(jobs)
+                   and (wait := deadline - time.monotonic()) > 0):
                 try:
                     jobs.append(self.jobs.get(timeout=wait))
                     tokens += sum(len(s) for s in jobs[-1][0])
@@ -296,8 +298,12 @@ def create_app(args):
             texts = req.query
         if args.log_requests:
             common.console.print(f"get_reward {json.dumps(texts)[:2000]}", markup=False)
-        results = await state["batcher"].score([tokenize(t, tokenizer, args, req.messages is not None)
-                                                for t in texts])
+        batcher = state["batcher"]
+        batcher.in_flight += 1
+        try:
+            results = await batcher.score([tokenize(t, tokenizer, args, req.messages is not None) for t in texts])
+        finally:
+            batcher.in_flight -= 1
         if args.rm_type != "prm":
             return {"rewards": results, "scores": results, "extra_logs": {}}
         reduce = {"min": min, "last": lambda s: s[-1], "mean": lambda s: sum(s) / len(s)}[args.prm_reduce]
@@ -323,13 +329,15 @@ def main():
     a("--host", default="127.0.0.1", help="0.0.0.0 to accept other machines (set --api_key then)")
     a("--port", type=int, default=5000)
     a("--api_key", default=os.environ.get("RM_API_KEY"), help="require 'Authorization: Bearer KEY' (or $RM_API_KEY)")
-    a("--max_batch_tokens", type=int, default=16384, help="padded tokens per forward")
+    a("--max_batch_tokens", type=int, default=None,
+      help="padded tokens per forward (default 16384 on GPU; 2048 on CPU, where big batches ran slower)")
     a("--max_wait_ms", type=float, default=5.0, help="how long the worker waits for more requests to batch")
     a("--max_body_mb", type=float, default=16.0)
     a("--max_texts", type=int, default=4096, help="texts per request")
     a("--log_requests", action="store_true", help="log request texts and the access log (off: nothing of them)")
     args = p.parse_args()
     args.gradient_checkpointing = False
+    args.max_batch_tokens = args.max_batch_tokens or (16384 if torch.cuda.is_available() else 2048)
     uvicorn.run(create_app(args), host=args.host, port=args.port, log_level="warning",
                 access_log=args.log_requests, timeout_graceful_shutdown=30)
 

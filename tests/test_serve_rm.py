@@ -212,3 +212,36 @@ def test_fuzz_malformed_bodies_get_4xx_and_the_server_lives(models):
         assert server.post({"query": ["07+45=52"]}).status_code == 200
     finally:
         server.close()
+
+
+def test_big_requests_are_split_and_shutdown_drains_in_flight_requests(models):
+    """--max_batch_tokens 64: a request of 40 texts runs as many small forwards (never one big one) and
+    still matches offline scoring; SIGTERM while requests are in flight lets them finish first."""
+    server = Server("--reward_pretrain", models / "seq_cls", "--max_batch_tokens", 64)
+    rng = random.Random(1)
+    bodies = [[random_text(rng) for _ in range(40)] for _ in range(6)]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def one(q):
+                r = await client.post(server.url + "/get_reward", json={"query": q})
+                return r, time.time()
+            tasks = [asyncio.create_task(one(q)) for q in bodies]
+            await asyncio.sleep(0.3)
+            signalled = time.time()
+            server.proc.terminate()  # SIGTERM
+            return await asyncio.gather(*tasks), signalled
+
+    try:
+        replies, signalled = asyncio.run(run())
+        # uvicorn drains, then re-raises the signal so the exit status still says SIGTERM
+        assert server.proc.wait(timeout=60) in (0, -15)
+        assert "Traceback" not in server.proc.stdout.read()
+        assert all(r.status_code == 200 for r, _ in replies)
+        assert any(done > signalled for _, done in replies)  # some were still in flight at the signal
+        want = offline_seq_cls(models / "seq_cls", [t for q in bodies for t in q])
+        got = [x for r, _ in replies for x in r.json()["rewards"]]
+        assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5
+    finally:
+        if server.proc.poll() is None:
+            server.close()

@@ -147,6 +147,16 @@ def main():
         same = [text(random.Random(7)) for _ in range(4)]
         rewards = {n: httpx.post(u, json={"query": same}, timeout=60).json()["rewards"] for n, (_, u) in servers.items()}
         results = {"levels": {}, "reward_gap_same_texts": max(abs(a - b) for a, b in zip(*rewards.values()))}
+        # the two directions of compatibility: our RL scripts' client against their server, and the
+        # payload their trainer sends (query/prompts/labels, pad and eos around the texts) against ours
+        sys.path.insert(0, str(ROOT))
+        import common
+
+        got, _, _ = common.reward_client(servers["theirs"][1])(same, [""] * 4, [None] * 4)
+        assert max(abs(a - b) for a, b in zip(got.tolist(), rewards["theirs"])) < 1e-3, "our client vs theirs"
+        padded = ["<pad><pad>" + t + "</s><pad>" for t in same]
+        r = httpx.post(servers["ours"][1], json={"query": padded, "prompts": [""] * 4, "labels": [None] * 4}).json()
+        assert max(abs(a - b) for a, b in zip(r["scores"], rewards["ours"])) < 1e-3, "their payload vs ours"
         for k, clients in enumerate(args.levels):
             order = ["ours", "theirs"] if k % 2 == 0 else ["theirs", "ours"]  # drift hits both alike
             level = {}

@@ -5,6 +5,7 @@ Nothing here is an algorithm: losses, value heads and rollouts live in the scrip
 
 import argparse
 import json
+import math
 import os
 import random
 import resource
@@ -335,12 +336,16 @@ def masked_mean(x, mask, dim=None):
     return (x * mask).sum(dim) / mask.sum(dim)
 
 
-def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
-    """(x - mean) / std over the masked entries (population variance); shift_mean=False adds the mean
-    back, so only the scale changes. Entries outside the mask come out as 0."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
-    whitened = (x - mean) * torch.rsqrt(var + eps)
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8, across_ranks=False):
+    """(x - mean) / std over the masked entries (population variance, float64 sums); shift_mean=False
+    adds the mean back, so only the scale changes. Entries outside the mask come out as 0. With
+    `across_ranks` the mean and variance are those of the masked entries on every rank (a batch split
+    over processes), from one all-reduce."""
+    kept = x[mask.bool()].double()
+    sums = [kept.numel(), kept.sum().item(), (kept ** 2).sum().item()]
+    count, total, squares = all_reduce_sum(sums) if across_ranks else sums
+    mean = total / count
+    whitened = (x - mean) / math.sqrt(max(squares / count - mean ** 2, 0.0) + eps)
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask.to(x.dtype)

@@ -121,15 +121,6 @@ def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip_low=0.
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}: use one of {', '.join(LOSS_AGG_MODES)}")
 
 
-def whiten_across_ranks(advantages):
-    """(a - mean) / std over every response token of the rollout on all ranks; a list of 1-D tensors."""
-    flat = torch.cat(advantages).double()
-    total, squares, count = common.all_reduce_sum([flat.sum().item(), (flat ** 2).sum().item(), flat.numel()])
-    mean = total / count
-    std = math.sqrt(max(squares / count - mean ** 2, 0.0) + 1e-8)
-    return [(a - mean) / std for a in advantages]
-
-
 # ------------------------------------------------------------------------------------------- rollout
 def left_pad(seqs, pad_id):
     """1-D LongTensors -> [B, T] padded on the left (generation appends on the right), and its mask."""
@@ -438,16 +429,15 @@ def prompt_batches(records, args, cursor):
 def evaluate(eval_records, generate, reward_fn, tokenizer, args):
     """Greedy completions of the eval prompts (split over ranks): mean reward and the reward
     function's extra logs (the toy task's accuracy)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = eval_records[rank::world]
-    real = len(mine)
-    mine = mine + [eval_records[0]] * (-(-len(eval_records) // world) - real)  # equal counts for ZeRO-3
-    samples = [dict(prompt=r["ids"], prompt_text=r["text"], label=r["label"]) for r in mine]
+    idx = common.eval_batches(len(eval_records), len(eval_records))[0]  # fillers (-1) keep ZeRO-3 ranks in step
+    samples = [dict(prompt=r["ids"], prompt_text=r["text"], label=r["label"])
+               for r in (eval_records[max(j, 0)] for j in idx)]
     for s, response in zip(samples, generate([s["prompt"] for s in samples], 0.0)):
         s["response"] = response
     rewards, _, logs = score(samples, reward_fn, tokenizer, args)
-    names = sorted(logs)
-    sums = common.all_reduce_sum([rewards[:real].sum().item(), real] + [logs[k][:real].sum().item() for k in names])
+    real, names = torch.tensor([j >= 0 for j in idx]), sorted(logs)
+    sums = common.all_reduce_sum([rewards[real].sum().item(), real.sum().item()]
+                                 + [logs[k][real].sum().item() for k in names])
     return {"reward": sums[0] / sums[1], **{k: v / sums[1] for k, v in zip(names, sums[2:])}}
 
 
@@ -617,14 +607,15 @@ def main():
         # 2. advantages: group statistics, the KL penalty when it is a reward, batch whitening
         adv = group_advantages(torch.tensor([s["reward"] for s in samples]), args.n_samples_per_prompt,
                                args.advantage_estimator)
-        for s, a in zip(samples, adv):
-            s["kl"] = common.approx_kl(s["old_logprobs"], s["ref_logprobs"], args.kl_estimator) if ref is not None \
-                else torch.zeros(len(s["response"]))
-            kl_coef = 0.0 if args.use_kl_loss else args.init_kl_coef
-            s["advantages"] = token_advantages(a[None], s["kl"][None], torch.ones(1, len(s["kl"])), kl_coef)[0]
+        kl = [common.approx_kl(s["old_logprobs"], s["ref_logprobs"], args.kl_estimator) if ref is not None
+              else torch.zeros(len(s["response"])) for s in samples]
+        mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(k), dtype=torch.bool) for k in kl], batch_first=True)
+        adv = token_advantages(adv, torch.nn.utils.rnn.pad_sequence(kl, batch_first=True), mask,
+                               0.0 if args.use_kl_loss else args.init_kl_coef)
         if args.advantage_estimator in ("reinforce", "reinforce_baseline"):
-            for s, a in zip(samples, whiten_across_ranks([s["advantages"] for s in samples])):
-                s["advantages"] = a.float()
+            adv = common.masked_whiten(adv, mask, across_ranks=True)
+        for s, k, a, m in zip(samples, kl, adv, mask):
+            s.update(kl=k, advantages=a[m])
         # 3. update: --max_epochs passes in shuffled micro-batches; DeepSpeed steps the optimizer every
         #    train_batch_size samples (gradient accumulation over micro-batches and ranks)
         engine.module.train()

@@ -101,15 +101,6 @@ def adaptive_kl_coef(kl_coef, kl, target, horizon, n_samples):
     return kl_coef * (1 + error * n_samples / horizon)
 
 
-def whiten_across_ranks(xs):
-    """(x - mean) / std over every response token of the rollout on all ranks; a list of 1-D tensors."""
-    flat = torch.cat(xs).double()
-    total, squares, count = common.all_reduce_sum([flat.sum().item(), (flat ** 2).sum().item(), flat.numel()])
-    mean = total / count
-    std = math.sqrt(max(squares / count - mean ** 2, 0.0) + 1e-8)
-    return [((x - mean) / std).float() for x in xs]
-
-
 # ------------------------------------------------------------------------------------------- rollout
 def left_pad(seqs, pad_id):
     """1-D LongTensors -> [B, T] padded on the left (generation appends on the right), and its mask."""
@@ -393,18 +384,17 @@ def prompt_batches(records, args, cursor):
 def evaluate(eval_records, generate, reward_fn, eval_fn, tokenizer, args):
     """Greedy completions of the eval prompts (split over ranks): the mean training reward, and the
     --eval_reward_func's mean and extra logs (the toy task's accuracy)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = eval_records[rank::world]
-    real = len(mine)
-    mine = mine + [eval_records[0]] * (-(-len(eval_records) // world) - real)  # equal counts for ZeRO-3
-    samples = [dict(prompt=r["ids"], prompt_text=r["text"], label=r["label"]) for r in mine]
+    idx = common.eval_batches(len(eval_records), len(eval_records))[0]  # fillers (-1) keep ZeRO-3 ranks in step
+    samples = [dict(prompt=r["ids"], prompt_text=r["text"], label=r["label"])
+               for r in (eval_records[max(j, 0)] for j in idx)]
     for s, response in zip(samples, generate([s["prompt"] for s in samples], 0.0)):
         s["response"] = response
     metrics = {"reward": reward_fn(samples)[0]}
     if eval_fn is not None:
         rewards, _, logs = client_rewards(eval_fn, samples, tokenizer)
         metrics.update(rule_reward=rewards, **logs)
-    sums = common.all_reduce_sum([real] + [v[:real].sum().item() for v in metrics.values()])
+    real = torch.tensor([j >= 0 for j in idx])
+    sums = common.all_reduce_sum([real.sum().item()] + [v[real].sum().item() for v in metrics.values()])
     return {k: v / sums[0] for k, v in zip(metrics, sums[1:])}
 
 
@@ -641,9 +631,9 @@ def main():
         rewards = kl_penalized_rewards(scores, torch.nn.utils.rnn.pad_sequence(kl, batch_first=True), mask, kl_coef)
         advantages, returns = compute_gae(rewards, torch.nn.utils.rnn.pad_sequence(values, batch_first=True), mask,
                                           args.gamma, args.lambd)
-        advantages = whiten_across_ranks([a[m] for a, m in zip(advantages, mask)])
+        advantages = common.masked_whiten(advantages, mask, across_ranks=True)
         for i, s in enumerate(samples):
-            s.update(old_logprobs=old_logprobs[i], values=values[i], advantages=advantages[i],
+            s.update(old_logprobs=old_logprobs[i], values=values[i], advantages=advantages[i][mask[i]],
                      returns=returns[i][mask[i]])
         times["forward_s"] = time.time() - t
 

@@ -24,14 +24,15 @@ def test_masked_mean_matches_loop_over_kept_entries():
 
 
 @pytest.mark.parametrize("shift_mean", [True, False])
-def test_masked_whiten_matches_loop(shift_mean):
+@pytest.mark.parametrize("across_ranks", [False, True])  # the RL scripts' batch whitening (a world of one here)
+def test_masked_whiten_matches_loop(shift_mean, across_ranks):
     torch.manual_seed(1)
     x = torch.randn(3, 9, dtype=torch.float64) * 4 + 2
     mask = torch.rand(3, 9) > 0.3
     kept = [x[i, j].item() for i in range(3) for j in range(9) if mask[i, j]]
     mean = sum(kept) / len(kept)
     std = math.sqrt(sum((v - mean) ** 2 for v in kept) / len(kept) + 1e-8)
-    got = common.masked_whiten(x, mask, shift_mean=shift_mean)
+    got = common.masked_whiten(x, mask, shift_mean=shift_mean, across_ranks=across_ranks)
     for i in range(3):
         for j in range(9):
             want = ((x[i, j].item() - mean) / std + (0 if shift_mean else mean)) if mask[i, j] else 0.0

@@ -44,6 +44,7 @@ def add_common_args(p: argparse.ArgumentParser):
     a = p.add_argument
     a("--pretrain", default=None, help="model: hub name or local path (default: the toy model)")
     a("--dataset", default=None, help="hub name, directory, or .json/.jsonl/.parquet/.csv file (default: toy)")
+    a("--dataset_probs", default=None, help="with --dataset a,b: sampling weights of the mix, e.g. 0.7,0.3")
     a("--dataset_split", default="train")
     a("--eval_dataset", default=None, help="held-out data, same formats (default: toy test split)")
     a("--eval_split", default="test")
@@ -51,6 +52,7 @@ def add_common_args(p: argparse.ArgumentParser):
     a("--max_len", type=int, default=512, help="truncate sequences to this many tokens")
     a("--input_key", default="input")
     a("--apply_chat_template", action="store_true", help="wrap inputs with the tokenizer's chat template")
+    a("--tokenizer_chat_template", default=None, help="a Jinja chat template (text or file) replacing the tokenizer's")
     a("--input_template", default=None, help='e.g. "User: {}\\nAssistant: "; ignored with the chat template')
     a("--packing_samples", action="store_true", help="concatenate a micro-batch into one row, no padding")
     a("--save_path", default=None, help="where the final Hugging Face directory goes (default: runs/<script>)")
@@ -64,10 +66,21 @@ def add_common_args(p: argparse.ArgumentParser):
     a("--adam_betas", type=float, nargs=2, default=(0.9, 0.95))
     a("--max_norm", type=float, default=1.0, help="gradient clipping")
     a("--seed", type=int, default=42)
+    a("--overlap_comm", action="store_true", help="ZeRO: overlap gradient reduction with the backward pass")
+    a("--ds_tensor_parallel_size", type=int, default=1,
+      help="DeepSpeed AutoTP degree; only 1 is supported (see README: Options)")
+    # LoRA / QLoRA (peft)
+    a("--lora_rank", type=int, default=0, help="train LoRA adapters of this rank, not the weights (0: off)")
+    a("--lora_alpha", type=int, default=16, help="LoRA scale: the update is alpha/rank * B A")
+    a("--lora_dropout", type=float, default=0.0)
+    a("--target_modules", nargs="+", default=["all-linear"],
+      help="layer names that get adapters (default: every linear layer but the output head)")
+    a("--load_in_4bit", action="store_true", help="QLoRA: 4-bit base weights (bitsandbytes; CUDA GPU only)")
     # model loading
     a("--bf16", action="store_true", help="bfloat16 weights and DeepSpeed bf16 mode")
     a("--flash_attn", action="store_true", help="flash_attention_2 (needs the flash-attn package, GPU)")
     a("--gradient_checkpointing", action="store_true")
+    a("--use_liger_kernel", action="store_true", help="Liger's Triton kernels (needs liger-kernel and a GPU)")
     a("--trust_remote_code", action="store_true", help="run model code from the checkpoint (off by default)")
     # DeepSpeed
     a("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
@@ -96,6 +109,18 @@ def parse_args(parser, toy_defaults):
         root = toy.ensure_toy_world()
         parser.set_defaults(pretrain=str(root / "model"), **(toy_defaults(root) if args.dataset is None else {}))
         args = parser.parse_args()
+    if args.ds_tensor_parallel_size != 1:
+        fail("--ds_tensor_parallel_size > 1 (DeepSpeed AutoTP) is not supported: our data split and saving "
+             "assume every rank holds whole layers; use --zero_stage 3 to shard a model that does not fit")
+    if args.load_in_4bit and not args.lora_rank:
+        fail("--load_in_4bit freezes the 4-bit base weights: it trains only with LoRA adapters (--lora_rank)")
+    if args.load_in_4bit and args.zero_stage == 3:
+        fail("--load_in_4bit cannot be partitioned by ZeRO-3: use --zero_stage 0, 1 or 2")
+    if args.dataset_probs is not None:
+        try:
+            args.dataset_probs = [float(p) for p in args.dataset_probs.split(",")]
+        except ValueError:
+            fail(f"--dataset_probs {args.dataset_probs!r}: expected comma-separated numbers, e.g. 0.7,0.3")
     args.ckpt_path = args.ckpt_path or args.save_path.rstrip("/") + "_checkpoints"
     if Path(args.save_path).resolve() in Path(args.ckpt_path).resolve().parents:
         fail("--ckpt_path must be outside --save_path, which is replaced whole when the model is saved")
@@ -145,7 +170,8 @@ def ds_config(args):
     if args.train_batch_size % (args.micro_train_batch_size * world):
         fail(f"--train_batch_size {args.train_batch_size} is not a multiple of --micro_train_batch_size "
              f"{args.micro_train_batch_size} x {world} processes")
-    zero = {"stage": args.zero_stage, "stage3_gather_16bit_weights_on_model_save": True}
+    zero = {"stage": args.zero_stage, "stage3_gather_16bit_weights_on_model_save": True,
+            "overlap_comm": args.overlap_comm}
     if args.adam_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     return {
@@ -174,6 +200,9 @@ def setup_deepspeed(model, args, config, num_training_steps):
         scheduler_specific_kwargs={"min_lr_rate": 0.1} if args.lr_scheduler == "cosine_with_min_lr" else None,
     )
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    if is_rank0():
+        trained, total = trainable_share(model)
+        console.print(f"training {trained:,} of {total:,} parameters ({100 * trained / total:.2f}%)")
     return engine
 
 
@@ -187,6 +216,10 @@ def load_tokenizer(path, args):
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as e:
         fail(f"cannot load tokenizer {path!r}: {str(e).splitlines()[0]}")
+    template = getattr(args, "tokenizer_chat_template", None)
+    if template:
+        tokenizer.chat_template = Path(template).read_text() if len(template) < 4096 and os.path.isfile(template) \
+            else template
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         # HF sequence classifiers find the scored token by pad id: pad must differ from the appended eos.
         if tokenizer.unk_token_id is not None and tokenizer.unk_token_id != tokenizer.eos_token_id:
@@ -196,30 +229,82 @@ def load_tokenizer(path, args):
     return tokenizer
 
 
-def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.AutoModelForCausalLM, **kwargs):
-    """from_pretrained with our flags; under ZeRO-3 the weights load already partitioned."""
+def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.AutoModelForCausalLM, trainable=True,
+               **kwargs):
+    """from_pretrained with our flags; under ZeRO-3 the weights load already partitioned. A `trainable`
+    model gets LoRA adapters with --lora_rank (a classifier's `score` head stays fully trainable)."""
     global _hf_ds_config
     check_model_path(path)
-    if ds_cfg is not None and ds_cfg["zero_optimization"]["stage"] == 3:
+    zero3 = ds_cfg is not None and ds_cfg["zero_optimization"]["stage"] == 3
+    if zero3:
         _hf_ds_config = transformers.integrations.HfDeepSpeedConfig(ds_cfg)
     if args.flash_attn:
         try:
             import flash_attn  # noqa: F401
         except ImportError:
             fail("--flash_attn needs the flash-attn package (GPU only): pip install flash-attn")
+    if args.load_in_4bit:
+        if not torch.cuda.is_available():
+            fail("--load_in_4bit needs bitsandbytes on a CUDA GPU, and this machine has none")
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            fail("--load_in_4bit needs the bitsandbytes package: pip install bitsandbytes")
+        kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16)
     try:
         model = model_class.from_pretrained(
             path, dtype=torch.bfloat16 if args.bf16 else torch.float32,
             attn_implementation="flash_attention_2" if args.flash_attn else "sdpa",
             trust_remote_code=args.trust_remote_code, **kwargs)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, ImportError) as e:
         fail(f"cannot load model {path!r}: {str(e).splitlines()[0]}")
-    if len(tokenizer) > model.config.vocab_size:  # tokens were added (a pad, a PRM step placeholder)
-        model.resize_token_embeddings(len(tokenizer))
+    vocab = model.config.vocab_size
+    if len(tokenizer) > vocab:  # tokens were added (a pad, a PRM step placeholder)
+        # Their rows start at the mean of the others, identical on every load: LoRA leaves embeddings frozen,
+        # so an adapter still merges onto a fresh load of the base model exactly.
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        for emb in {model.get_input_embeddings(), model.get_output_embeddings()} - {None}:
+            with deepspeed.zero.GatheredParameters([emb.weight], modifier_rank=0, enabled=zero3), torch.no_grad():
+                emb.weight[vocab:] = emb.weight[:vocab].mean(0)
     model.config.pad_token_id = tokenizer.pad_token_id
+    if args.use_liger_kernel:
+        try:
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        except ImportError:
+            fail("--use_liger_kernel needs the liger-kernel package (Triton kernels, GPU): pip install liger-kernel")
+        _apply_liger_kernel_to_instance(model=model)
+    if trainable and args.lora_rank:
+        from peft import LoraConfig, prepare_model_for_kbit_training
+        if args.load_in_4bit:  # norms in fp32, inputs that carry gradients into the adapters
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
+        targets = args.target_modules[0] if args.target_modules == ["all-linear"] else args.target_modules
+        try:
+            model.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                         target_modules=targets,
+                                         modules_to_save=["score"] if hasattr(model, "score") else None))
+        except ValueError as e:
+            fail(f"--target_modules {' '.join(args.target_modules)}: {str(e).splitlines()[0]}")
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def enable_router_loss(model, coef):
+    """--aux_loss_coef: a mixture-of-experts model then returns its router load-balancing loss (aux_loss)."""
+    if not coef:
+        return
+    if not hasattr(model.config, "output_router_logits"):
+        fail(f"--aux_loss_coef: {model.config.model_type} is not a mixture-of-experts model (no router loss)")
+    model.config.output_router_logits = True
+
+
+def trainable_share(model):
+    """(trainable parameters, all parameters): what --lora_rank leaves to train."""
+    params = list(model.parameters())
+    count = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731  (ZeRO-3 partitions report their full size)
+    return sum(count(p) for p in params if p.requires_grad), sum(count(p) for p in params)
 
 
 def check_model_path(path):
@@ -230,10 +315,37 @@ def check_model_path(path):
 
 
 # ---------------------------------------------------------------------------------------------- data
-def load_records(source, split="train", required_keys=(), max_samples=None, with_locations=False):
+def load_records(source, split="train", required_keys=(), max_samples=None, with_locations=False, probs=None,
+                 seed=42):
     """A list of dict records from a .jsonl/.json/.parquet/.csv file, a saved dataset dir or a hub name.
     JSON lines are parsed here, so a malformed line is reported by number. With `with_locations`, also
-    each record's location ("file: line N") for the caller's own error messages."""
+    each record's location ("file: line N") for the caller's own error messages.
+    Several sources, comma-separated ("a.jsonl,b.jsonl"), are concatenated; with `probs` they are mixed
+    instead: --max_samples records (default: as many as all sources hold), each drawn from source i with
+    probability probs[i], going through that source in a seeded shuffled order (and round again if needed)."""
+    sources = [s for s in str(source).split(",") if s]
+    if probs is not None and len(probs) != len(sources):
+        fail(f"--dataset_probs has {len(probs)} weights for {len(sources)} datasets ({source})")
+    if probs is not None and (min(probs) < 0 or sum(probs) <= 0):
+        fail(f"--dataset_probs {','.join(map(str, probs))}: weights must be >= 0 with a positive sum")
+    if len(sources) > 1:
+        parts = [load_records(s, split, required_keys, None if probs else max_samples, True) for s in sources]
+        if probs is None:
+            records, where = [r for p in parts for r in p[0]], [w for p in parts for w in p[1]]
+            records, where = records[:max_samples or None], where[:max_samples or None]
+            return (records, where) if with_locations else records
+        rng = np.random.default_rng(seed)
+        n = max_samples or sum(len(p[0]) for p in parts)
+        picks = rng.choice(len(parts), size=n, p=np.array(probs) / sum(probs))
+        orders = [rng.permutation(len(p[0])) for p in parts]
+        taken, records, where = [0] * len(parts), [], []
+        for i in picks:
+            j = orders[i][taken[i] % len(orders[i])]
+            taken[i] += 1
+            records.append(parts[i][0][j])
+            where.append(parts[i][1][j])
+        return (records, where) if with_locations else records
+    source = sources[0] if sources else source
     import datasets
 
     path = Path(source)
@@ -336,16 +448,17 @@ def masked_mean(x, mask, dim=None):
     return (x * mask).sum(dim) / mask.sum(dim)
 
 
-def masked_whiten(x, mask, shift_mean=True, eps=1e-8, across_ranks=False):
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8, across_ranks=False, std_norm=True):
     """(x - mean) / std over the masked entries (population variance, float64 sums); shift_mean=False
-    adds the mean back, so only the scale changes. Entries outside the mask come out as 0. With
+    adds the mean back, so only the scale changes; std_norm=False only subtracts the mean (OpenRLHF's
+    --no_advantage_std_norm). Entries outside the mask come out as 0. With
     `across_ranks` the mean and variance are those of the masked entries on every rank (a batch split
     over processes), from one all-reduce."""
     kept = x[mask.bool()].double()
     sums = [kept.numel(), kept.sum().item(), (kept ** 2).sum().item()]
     count, total, squares = all_reduce_sum(sums) if across_ranks else sums
     mean = total / count
-    whitened = (x - mean) / math.sqrt(max(squares / count - mean ** 2, 0.0) + eps)
+    whitened = (x - mean) / (math.sqrt(max(squares / count - mean ** 2, 0.0) + eps) if std_norm else 1.0)
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask.to(x.dtype)
@@ -462,8 +575,8 @@ def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, r
 
 # ---------------------------------------------------------------------------------- saving / resume
 def save_hf_model(engine, tokenizer, path, args, extra_config=None):
-    """Write a plain Hugging Face directory (ZeRO-3 shards gathered on rank 0), atomically:
-    into a temporary directory first, then renamed into place, so a crash never leaves half a model."""
+    """Write a plain Hugging Face directory (ZeRO-3 shards gathered on rank 0). With --lora_rank it
+    holds the adapter (adapter_config.json, adapter_model.safetensors; merge_lora.py makes a full model)."""
     model = engine.module
     state, saved_names = {}, set(model.state_dict())
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
@@ -473,19 +586,50 @@ def save_hf_model(engine, tokenizer, path, args, extra_config=None):
             if is_rank0():
                 state[name] = tensor.detach().cpu().clone()
     if is_rank0():
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        for key, value in (extra_config or {}).items():
-            setattr(model.config, key, value)
-        model.save_pretrained(tmp, state_dict=dict(state))  # save_pretrained empties the dict it is given
-        tokenizer.save_pretrained(tmp)
-        old = path.with_name(f".{path.name}.old-{os.getpid()}")
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
+        write_hf_dir(model, tokenizer, path, state, extra_config)
     dist.barrier()
+
+
+def write_hf_dir(model, tokenizer, path, state=None, extra_config=None):
+    """save_pretrained, atomically: into a temporary directory first, then renamed into place, so a crash
+    never leaves half a model. With LoRA adapters transformers writes only them (a config.json beside
+    them would make from_pretrained mistake the directory for a full model), so `extra_config` (a reward
+    model's mean/std) goes to extra_config.json, where merge_lora.py finds it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for key, value in (extra_config or {}).items():
+        setattr(model.config, key, value)
+    # save_pretrained empties the state dict it is given: pass a copy
+    model.save_pretrained(tmp, **({} if state is None else {"state_dict": dict(state)}))
+    if getattr(model, "_hf_peft_config_loaded", False) and extra_config:
+        (tmp / "extra_config.json").write_text(json.dumps(extra_config, indent=2) + "\n")
+    tokenizer.save_pretrained(tmp)
+    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def merged_weights(model, args):
+    """(name, tensor) of every weight, whole and in the checkpoint's names: what a rollout engine loads.
+    Under ZeRO-3 each is gathered (by all ranks) in turn. With LoRA an adapted layer's weight comes out
+    merged, W + alpha/r * B A (peft's get_delta_weight), and the adapter tensors themselves are not sent."""
+    modules = dict(model.named_modules())
+    zero3 = args.zero_stage == 3
+    for name, p in model.named_parameters():
+        if ".lora_" in name:
+            continue
+        if ".base_layer." not in name:
+            with deepspeed.zero.GatheredParameters([p], enabled=zero3):
+                yield name, p.detach().clone() if zero3 else p.detach()
+            continue
+        layer = modules[name.split(".base_layer.")[0]]
+        adapter = list(layer.lora_A.parameters()) + list(layer.lora_B.parameters()) if name.endswith("weight") else []
+        with deepspeed.zero.GatheredParameters([p] + adapter, enabled=zero3), torch.no_grad():
+            w = p + layer.get_delta_weight("default") if adapter else p.detach().clone()
+            yield name.replace(".base_layer", ""), w
 
 
 def save_checkpoint(engine, args, step, extra=None, others=None):

@@ -57,20 +57,21 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 
 
 # ------------------------------------------------------------------------------------------------ math
-def group_advantages(rewards, group_size, estimator, eps=1e-6):
+def group_advantages(rewards, group_size, estimator, eps=1e-6, std_norm=True):
     """One advantage per sample from the rewards [N] of consecutive groups of `group_size` samples
     (the completions of one prompt):
       group_norm          (r - group mean) / (group std + eps), unbiased std      GRPO
       dr_grpo             r - group mean                                           Dr. GRPO (no std)
       rloo                r - mean of the other samples of the group               RLOO
       reinforce_baseline  r - group mean (whitened over the batch by the caller)   REINFORCE++-baseline
-      reinforce           r (per-token KL reward and batch whitening by the caller) REINFORCE++"""
+      reinforce           r (per-token KL reward and batch whitening by the caller) REINFORCE++
+    std_norm=False (--no_advantage_std_norm) leaves group_norm as r - group mean."""
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.reshape(-1, group_size)
     mean = r.mean(-1, keepdim=True)
     if estimator == "group_norm":
-        adv = (r - mean) / (r.std(-1, keepdim=True) + eps)  # a group of one has no std: NaN, by design
+        adv = (r - mean) / (r.std(-1, keepdim=True) + eps) if std_norm else r - mean  # a group of one: NaN
     elif estimator in ("dr_grpo", "reinforce_baseline"):
         adv = r - mean
     elif estimator == "rloo":
@@ -161,7 +162,7 @@ def start_vllm(args, vocab_size):
               dtype="bfloat16" if args.bf16 else "float32", enforce_eager=True, seed=args.seed,
               max_model_len=args.prompt_max_len + args.generate_max_len, trust_remote_code=args.trust_remote_code,
               gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-              tensor_parallel_size=args.vllm_tensor_parallel_size,
+              tensor_parallel_size=args.vllm_tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
               distributed_executor_backend="ray" if args.vllm_tensor_parallel_size > 1 else None)
     torch.set_rng_state(rng)
     return llm
@@ -180,13 +181,6 @@ def _repack_lm_head(worker):
     step and keeps a stale packed (oneDNN) copy of the old embedding; redo that step."""
     lm_head = worker.model_runner.get_model().lm_head
     lm_head.quant_method.process_weights_after_loading(lm_head)
-
-
-def full_weights(model, args):
-    """(name, tensor) of every parameter, whole: under ZeRO-3 each is gathered (by all ranks) in turn."""
-    for name, p in model.named_parameters():
-        with deepspeed.zero.GatheredParameters([p], enabled=args.zero_stage == 3):
-            yield name, p.detach().clone() if args.zero_stage == 3 else p.detach()
 
 
 def generate_vllm(llm, prompts, args, eos_id, temperature, with_logprobs=False):
@@ -287,10 +281,10 @@ def sync_ray_engines(engines, group, model, args):
     """After an update: every parameter, whole, from trainer rank 0 to all engines at once."""
     import ray
 
-    specs = [(name, tuple(p.ds_shape if hasattr(p, "ds_shape") else p.shape), p.dtype)
-             for name, p in model.named_parameters()]
+    specs = [(name.replace(".base_layer", ""), tuple(getattr(p, "ds_shape", p.shape)), p.dtype)
+             for name, p in model.named_parameters() if ".lora_" not in name]  # common.merged_weights' names
     received = [e.receive_weights.remote(specs) for e in engines] if group is not None else []
-    for _, tensor in full_weights(model, args):
+    for _, tensor in common.merged_weights(model, args):
         if group is not None:
             group.broadcast(tensor.contiguous(), 0).wait()
     ray.get(received)
@@ -324,7 +318,7 @@ def response_logprobs(model, batch, args, pad_id, with_entropy=False):
     lengths = [len(r) for _, r in batch]
     pad = lambda x: torch.nn.utils.rnn.pad_sequence(x.split(lengths), batch_first=True)  # noqa: E731
     mask = pad(torch.ones_like(logp, dtype=torch.bool))
-    entropy = pad(-(logp_all.exp() * logp_all).sum(-1).detach()) if with_entropy else None  # for the logs
+    entropy = pad(-(logp_all.exp() * logp_all).sum(-1)) if with_entropy else None  # differentiable: the bonus
     return pad(logp), entropy, mask
 
 
@@ -427,18 +421,22 @@ def prompt_batches(records, args, cursor):
 # ---------------------------------------------------------------------------------------------- eval
 @torch.no_grad()
 def evaluate(eval_records, generate, reward_fn, tokenizer, args):
-    """Greedy completions of the eval prompts (split over ranks): mean reward and the reward
-    function's extra logs (the toy task's accuracy)."""
+    """--eval_n_samples_per_prompt completions of each eval prompt at --eval_temperature (default: one,
+    greedy), split over ranks: the mean reward and reward function's extra logs (the toy task's accuracy)
+    over all completions, and with n > 1 pass@n, the mean over prompts of the best of their n rewards."""
+    n = args.eval_n_samples_per_prompt
     idx = common.eval_batches(len(eval_records), len(eval_records))[0]  # fillers (-1) keep ZeRO-3 ranks in step
     samples = [dict(prompt=r["ids"], prompt_text=r["text"], label=r["label"])
-               for r in (eval_records[max(j, 0)] for j in idx)]
-    for s, response in zip(samples, generate([s["prompt"] for s in samples], 0.0)):
+               for r in (eval_records[max(j, 0)] for j in idx) for _ in range(n)]
+    for s, response in zip(samples, generate([s["prompt"] for s in samples], args.eval_temperature)):
         s["response"] = response
     rewards, _, logs = score(samples, reward_fn, tokenizer, args)
     real, names = torch.tensor([j >= 0 for j in idx]), sorted(logs)
-    sums = common.all_reduce_sum([rewards[real].sum().item(), real.sum().item()]
-                                 + [logs[k][real].sum().item() for k in names])
-    return {"reward": sums[0] / sums[1], **{k: v / sums[1] for k, v in zip(names, sums[2:])}}
+    best = rewards.reshape(-1, n).max(-1).values[real]
+    sums = common.all_reduce_sum([real.sum().item() * n, real.sum().item(), best.sum().item()]
+                                 + [v.reshape(-1, n)[real].sum().item() for v in [rewards] + [logs[k] for k in names]])
+    metrics = {k: v / sums[0] for k, v in zip(["reward"] + names, sums[3:])}
+    return {**metrics, f"pass@{n}": sums[2] / sums[1]} if n > 1 else metrics
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -454,7 +452,7 @@ def disable_dropout(model):
 def load_frozen(path, args, tokenizer, cfg, **kwargs):
     """A frozen model (reference policy, reward model). Under ZeRO-3 it is partitioned like the policy
     and wrapped in an optimizer-less DeepSpeed engine, which gathers its weights for each forward."""
-    model = common.load_model(path, args, tokenizer, cfg, **kwargs).eval().requires_grad_(False)
+    model = common.load_model(path, args, tokenizer, cfg, trainable=False, **kwargs).eval().requires_grad_(False)
     disable_dropout(model)
     if args.zero_stage == 3:
         engine, *_ = deepspeed.initialize(model=model, config=cfg)
@@ -462,10 +460,10 @@ def load_frozen(path, args, tokenizer, cfg, **kwargs):
     return model.to("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_prompts(source, split, tokenizer, args, max_samples=None):
+def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
     """Records -> {"ids", "text", "label"}; prompts longer than --prompt_max_len are dropped (counted)."""
     keys = [args.input_key] + ([args.label_key] if args.label_key else [])
-    records = common.load_records(source, split, keys, max_samples)
+    records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed)
     out = []
     for r in records:
         text = common.format_prompt(r[args.input_key], tokenizer, args)
@@ -477,6 +475,16 @@ def load_prompts(source, split, tokenizer, args, max_samples=None):
     if len(out) < len(records) and common.is_rank0():
         common.console.print(f"{source}: dropped {len(records) - len(out)} prompts longer than --prompt_max_len")
     return out
+
+
+def check_rl_options(args):
+    """RL options that only make sense together."""
+    if args.enable_prefix_caching and not (args.vllm or args.ray):
+        common.fail("--enable_prefix_caching is a vLLM option: add --vllm or --ray")
+    if args.eval_n_samples_per_prompt < 1:
+        common.fail("--eval_n_samples_per_prompt must be >= 1")
+    if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
+        common.fail("--eval_n_samples_per_prompt > 1 needs --eval_temperature > 0 (greedy completions are identical)")
 
 
 def main():
@@ -498,6 +506,7 @@ def main():
     a("--ray_address", default=None, help="an existing Ray cluster (default: $RAY_ADDRESS, else start one here)")
     a("--vllm_num_engines", type=int, default=1, help="with --ray: how many vLLM engines")
     a("--vllm_tensor_parallel_size", type=int, default=1, help="GPUs per vLLM engine")
+    a("--enable_prefix_caching", action="store_true", help="vLLM reuses the KV cache of shared prompt prefixes")
     # rewards
     a("--remote_rm_url", default=None, help="reward server URL (/get_reward API) or a .py file with reward_func")
     a("--remote_rm_batch_size", type=int, default=64, help="queries per HTTP request")
@@ -511,6 +520,7 @@ def main():
     a("--dynamic_filtering_reward_range", type=float, nargs=2, default=(0.0, 1.0), metavar=("LO", "HI"))
     # objective
     a("--advantage_estimator", default="group_norm", choices=ESTIMATORS)
+    a("--no_advantage_std_norm", action="store_true", help="center advantages without dividing by their std")
     a("--init_kl_coef", type=float, default=0.0, help="KL coefficient (0: no reference model at all)")
     a("--kl_estimator", default="k1", choices=("k1", "k2", "k3"), help="per-token KL in the reward (and logs)")
     a("--use_kl_loss", action="store_true", help="KL (k3) in the loss, GRPO style, instead of in the reward")
@@ -518,8 +528,11 @@ def main():
     a("--eps_clip_low", type=float, default=0.2)
     a("--eps_clip_high", type=float, default=0.2, help="> eps_clip_low: DAPO's clip-higher")
     a("--dual_clip", type=float, default=None, help="cap the loss of negative advantages at dual_clip * |A| (> 1)")
+    a("--entropy_loss_coef", type=float, default=0.0, help="entropy bonus (0: off)")
     a("--actor_learning_rate", dest="learning_rate", type=float, help="same as --learning_rate")
     a("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: before and after training only)")
+    a("--eval_n_samples_per_prompt", type=int, default=1, help="eval completions per prompt (> 1: also pass@n)")
+    a("--eval_temperature", type=float, default=0.0, help="eval sampling temperature (0: greedy)")
     parser.set_defaults(save_path="runs/grpo", learning_rate=1e-6, micro_train_batch_size=16, train_batch_size=256)
     args = common.parse_args(parser, lambda root: dict(
         dataset=str(root / "prompts_train.jsonl"), eval_dataset=str(root / "prompts_test.jsonl"),
@@ -538,6 +551,7 @@ def main():
         common.fail("--dual_clip must be > 1")
     if args.overlong_buffer_len >= args.generate_max_len:
         common.fail("--overlong_buffer_len must be below --generate_max_len")
+    check_rl_options(args)
     client = args.remote_rm_url and common.reward_client(
         args.remote_rm_url, args.remote_rm_batch_size, args.remote_rm_timeout, args.remote_rm_retries)
     rank, world = common.init_distributed(args)
@@ -548,7 +562,7 @@ def main():
                     f"{args.train_batch_size}")
 
     tokenizer = common.load_tokenizer(args.pretrain, args)
-    prompts = load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples)
+    prompts = load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples, args.dataset_probs)
     eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args) if args.eval_dataset else []
     if len(prompts) < args.rollout_batch_size:
         common.fail(f"{args.dataset}: {len(prompts)} usable prompts, fewer than --rollout_batch_size")
@@ -577,7 +591,7 @@ def main():
         generate = lambda ps, temperature: generate_ray(engines, ps, args, eos, temperature)  # noqa: E731
     elif args.vllm:
         llm = start_vllm(args, engine.module.config.vocab_size)
-        sync = lambda: load_vllm_weights(llm, full_weights(engine.module, args),  # noqa: E731
+        sync = lambda: load_vllm_weights(llm, common.merged_weights(engine.module, args),  # noqa: E731
                                          engine.module.config.tie_word_embeddings)
         generate = lambda ps, temperature: generate_vllm(llm, ps, args, eos, temperature)  # noqa: E731
     else:
@@ -606,14 +620,14 @@ def main():
                 s["ref_logprobs"] = lp
         # 2. advantages: group statistics, the KL penalty when it is a reward, batch whitening
         adv = group_advantages(torch.tensor([s["reward"] for s in samples]), args.n_samples_per_prompt,
-                               args.advantage_estimator)
+                               args.advantage_estimator, std_norm=not args.no_advantage_std_norm)
         kl = [common.approx_kl(s["old_logprobs"], s["ref_logprobs"], args.kl_estimator) if ref is not None
               else torch.zeros(len(s["response"])) for s in samples]
         mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(k), dtype=torch.bool) for k in kl], batch_first=True)
         adv = token_advantages(adv, torch.nn.utils.rnn.pad_sequence(kl, batch_first=True), mask,
                                0.0 if args.use_kl_loss else args.init_kl_coef)
         if args.advantage_estimator in ("reinforce", "reinforce_baseline"):
-            adv = common.masked_whiten(adv, mask, across_ranks=True)
+            adv = common.masked_whiten(adv, mask, across_ranks=True, std_norm=not args.no_advantage_std_norm)
         for s, k, a, m in zip(samples, kl, adv, mask):
             s.update(kl=k, advantages=a[m])
         # 3. update: --max_epochs passes in shuffled micro-batches; DeepSpeed steps the optimizer every
@@ -632,13 +646,15 @@ def main():
                                    args.eps_clip_high, args.loss_agg_mode, args.generate_max_len,
                                    pad([s["ref_logprobs"] for s in mb]) if args.use_kl_loss and ref is not None
                                    else None, args.init_kl_coef, args.dual_clip)
+                if args.entropy_loss_coef:
+                    loss = loss - args.entropy_loss_coef * common.masked_mean(entropy, mask)
                 engine.backward(loss)
                 engine.step()
                 ratio = torch.exp(logp.detach() - old)
                 clipped = (ratio < 1 - args.eps_clip_low) | (ratio > 1 + args.eps_clip_high)
                 stats["policy_loss"].append(loss.item())
                 stats["clip_frac"].append(common.masked_mean(clipped.float(), mask).item())
-                stats["entropy"].append(common.masked_mean(entropy, mask).item())
+                stats["entropy"].append(common.masked_mean(entropy.detach(), mask).item())
         if args.vllm or args.ray:
             t_sync = time.time()
             sync()
@@ -670,7 +686,6 @@ def main():
         if eval_prompts and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
             engine.module.eval()
             logger.log(step + 1, evaluate(eval_prompts, generate, reward_fn, tokenizer, args), prefix="eval")
-    logger.close()
 
     done = max(total_steps - start_step, 1)
     results.update(train_time_s=time.time() - start, steps=total_steps, generate_s_per_step=times["generate_s"] / done,
@@ -680,6 +695,7 @@ def main():
         metrics = evaluate(eval_prompts, generate, reward_fn, tokenizer, args)
         logger.log(total_steps, metrics, prefix="eval")
         results.update({f"eval_{k}": v for k, v in metrics.items()})
+    logger.close()  # after the final eval is logged (it closes TensorBoard and wandb)
     common.save_hf_model(engine, tokenizer, args.save_path, args)
     common.write_results(args.save_path, results)
     if common.is_rank0():

@@ -141,7 +141,7 @@ def start_vllm(args, vocab_size):
               dtype="bfloat16" if args.bf16 else "float32", enforce_eager=True, seed=args.seed,
               max_model_len=args.prompt_max_len + args.generate_max_len, trust_remote_code=args.trust_remote_code,
               gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-              tensor_parallel_size=args.vllm_tensor_parallel_size,
+              tensor_parallel_size=args.vllm_tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
               distributed_executor_backend="ray" if args.vllm_tensor_parallel_size > 1 else None)
     torch.set_rng_state(rng)
     return llm
@@ -160,13 +160,6 @@ def _repack_lm_head(worker):
     step and keeps a stale packed (oneDNN) copy of the old embedding; redo that step."""
     lm_head = worker.model_runner.get_model().lm_head
     lm_head.quant_method.process_weights_after_loading(lm_head)
-
-
-def full_weights(model, args):
-    """(name, tensor) of every parameter, whole: under ZeRO-3 each is gathered (by all ranks) in turn."""
-    for name, p in model.named_parameters():
-        with deepspeed.zero.GatheredParameters([p], enabled=args.zero_stage == 3):
-            yield name, p.detach().clone() if args.zero_stage == 3 else p.detach()
 
 
 def generate_vllm(llm, prompts, args, eos_id, temperature, with_logprobs=False):
@@ -267,10 +260,10 @@ def sync_ray_engines(engines, group, model, args):
     """After an update: every parameter, whole, from trainer rank 0 to all engines at once."""
     import ray
 
-    specs = [(name, tuple(p.ds_shape if hasattr(p, "ds_shape") else p.shape), p.dtype)
-             for name, p in model.named_parameters()]
+    specs = [(name.replace(".base_layer", ""), tuple(getattr(p, "ds_shape", p.shape)), p.dtype)
+             for name, p in model.named_parameters() if ".lora_" not in name]  # common.merged_weights' names
     received = [e.receive_weights.remote(specs) for e in engines] if group is not None else []
-    for _, tensor in full_weights(model, args):
+    for _, tensor in common.merged_weights(model, args):
         if group is not None:
             group.broadcast(tensor.contiguous(), 0).wait()
     ray.get(received)
@@ -319,7 +312,7 @@ def response_logprobs(model, batch, args, pad_id, with_entropy=False):
     logp_all = F.log_softmax(logits[rows, cols].float() / args.temperature, -1)  # [sum R, V]
     logp = logp_all.gather(-1, torch.cat([r for _, r in batch]).to(device)[:, None]).squeeze(-1)
     logp, mask = split_pad(logp, batch)
-    entropy = split_pad(-(logp_all.exp() * logp_all).sum(-1).detach(), batch)[0] if with_entropy else None
+    entropy = split_pad(-(logp_all.exp() * logp_all).sum(-1), batch)[0] if with_entropy else None  # has a gradient
     return logp, entropy, mask
 
 
@@ -382,20 +375,26 @@ def prompt_batches(records, args, cursor):
 # ---------------------------------------------------------------------------------------------- eval
 @torch.no_grad()
 def evaluate(eval_records, generate, reward_fn, eval_fn, tokenizer, args):
-    """Greedy completions of the eval prompts (split over ranks): the mean training reward, and the
-    --eval_reward_func's mean and extra logs (the toy task's accuracy)."""
+    """--eval_n_samples_per_prompt completions of each eval prompt at --eval_temperature (default: one,
+    greedy), split over ranks: the mean training reward, the --eval_reward_func's mean and extra logs (the
+    toy task's accuracy), and with n > 1 pass@n: the mean over prompts of the best of their n eval rewards
+    (the training reward's without --eval_reward_func)."""
+    n = args.eval_n_samples_per_prompt
     idx = common.eval_batches(len(eval_records), len(eval_records))[0]  # fillers (-1) keep ZeRO-3 ranks in step
     samples = [dict(prompt=r["ids"], prompt_text=r["text"], label=r["label"])
-               for r in (eval_records[max(j, 0)] for j in idx)]
-    for s, response in zip(samples, generate([s["prompt"] for s in samples], 0.0)):
+               for r in (eval_records[max(j, 0)] for j in idx) for _ in range(n)]
+    for s, response in zip(samples, generate([s["prompt"] for s in samples], args.eval_temperature)):
         s["response"] = response
     metrics = {"reward": reward_fn(samples)[0]}
     if eval_fn is not None:
         rewards, _, logs = client_rewards(eval_fn, samples, tokenizer)
         metrics.update(rule_reward=rewards, **logs)
     real = torch.tensor([j >= 0 for j in idx])
-    sums = common.all_reduce_sum([real.sum().item()] + [v[real].sum().item() for v in metrics.values()])
-    return {k: v / sums[0] for k, v in zip(metrics, sums[1:])}
+    best = metrics["rule_reward" if eval_fn is not None else "reward"].reshape(-1, n).max(-1).values[real]
+    sums = common.all_reduce_sum([real.sum().item(), best.sum().item()]
+                                 + [v.reshape(-1, n)[real].sum().item() for v in metrics.values()])
+    out = {k: v / (sums[0] * n) for k, v in zip(metrics, sums[2:])}
+    return {**out, f"pass@{n}": sums[1] / sums[0]} if n > 1 else out
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -421,7 +420,7 @@ def load_frozen(path, args, tokenizer, cfg, **kwargs):
     """A frozen model (reference policy, reward model). Under ZeRO-3 it is partitioned like the actor and
     wrapped in an optimizer-less DeepSpeed engine that gathers its weights per forward; with
     --ref_reward_offload its partitions (ZeRO-3) or the whole model (else) wait on the CPU between uses."""
-    model = common.load_model(path, args, tokenizer, cfg, **kwargs).eval().requires_grad_(False)
+    model = common.load_model(path, args, tokenizer, cfg, trainable=False, **kwargs).eval().requires_grad_(False)
     disable_dropout(model)
     if args.zero_stage == 3:
         cfg = dict(cfg, zero_optimization=dict(cfg["zero_optimization"]))
@@ -446,10 +445,10 @@ class on_device:
             self.model.to("cpu")
 
 
-def load_prompts(source, split, tokenizer, args, max_samples=None):
+def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
     """Records -> {"ids", "text", "label"}; prompts longer than --prompt_max_len are dropped (counted)."""
     keys = [args.input_key] + ([args.label_key] if args.label_key else [])
-    records = common.load_records(source, split, keys, max_samples)
+    records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed)
     out = []
     for r in records:
         text = common.format_prompt(r[args.input_key], tokenizer, args)
@@ -461,6 +460,16 @@ def load_prompts(source, split, tokenizer, args, max_samples=None):
     if len(out) < len(records) and common.is_rank0():
         common.console.print(f"{source}: dropped {len(records) - len(out)} prompts longer than --prompt_max_len")
     return out
+
+
+def check_rl_options(args):
+    """RL options that only make sense together."""
+    if args.enable_prefix_caching and not (args.vllm or args.ray):
+        common.fail("--enable_prefix_caching is a vLLM option: add --vllm or --ray")
+    if args.eval_n_samples_per_prompt < 1:
+        common.fail("--eval_n_samples_per_prompt must be >= 1")
+    if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
+        common.fail("--eval_n_samples_per_prompt > 1 needs --eval_temperature > 0 (greedy completions are identical)")
 
 
 def main():
@@ -482,6 +491,7 @@ def main():
     a("--ray_address", default=None, help="an existing Ray cluster (default: $RAY_ADDRESS, else start one here)")
     a("--vllm_num_engines", type=int, default=1, help="with --ray: how many vLLM engines")
     a("--vllm_tensor_parallel_size", type=int, default=1, help="GPUs per vLLM engine")
+    a("--enable_prefix_caching", action="store_true", help="vLLM reuses the KV cache of shared prompt prefixes")
     # models and rewards
     a("--critic_pretrain", default=None, help="critic start (default: the reward model, else the actor)")
     a("--reward_pretrain", default=None, help="a sequence-classification reward model")
@@ -503,6 +513,7 @@ def main():
     a("--kl_horizon", type=int, default=10000, help="adaptive KL: samples over which the coefficient adapts")
     a("--gamma", type=float, default=1.0)
     a("--lambd", type=float, default=0.95, help="GAE lambda")
+    a("--no_advantage_std_norm", action="store_true", help="center advantages without dividing by their std")
     a("--eps_clip", type=float, default=0.2)
     a("--dual_clip", type=float, default=None, help="cap the loss of negative advantages at dual_clip * |A| (> 1)")
     a("--value_clip", type=float, default=0.2)
@@ -512,6 +523,8 @@ def main():
     a("--freezing_actor_steps", type=int, default=0, help="train only the critic for the first N steps")
     a("--save_value_network", action="store_true", help="also save the critic, to <save_path>_critic")
     a("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: before and after training only)")
+    a("--eval_n_samples_per_prompt", type=int, default=1, help="eval completions per prompt (> 1: also pass@n)")
+    a("--eval_temperature", type=float, default=0.0, help="eval sampling temperature (0: greedy)")
     parser.set_defaults(save_path="runs/ppo", learning_rate=1e-6, micro_train_batch_size=16, train_batch_size=64)
     args = common.parse_args(parser, lambda root: dict(
         dataset=str(root / "prompts_train.jsonl"), eval_dataset=str(root / "prompts_test.jsonl"),
@@ -528,6 +541,7 @@ def main():
     if not args.colocate:
         common.fail("--no-colocate (actor, critic, reference and reward model on separate devices) is not "
                     "supported: the trainer's models share its devices; --ray moves generation off them")
+    check_rl_options(args)
     client = args.remote_rm_url and common.reward_client(
         args.remote_rm_url, args.remote_rm_batch_size, args.remote_rm_timeout, args.remote_rm_retries)
     eval_fn = args.eval_reward_func and common.reward_client(args.eval_reward_func)
@@ -539,7 +553,7 @@ def main():
                     f"{samples_per_step} samples into --train_batch_size {args.train_batch_size}")
 
     tokenizer = common.load_tokenizer(args.pretrain, args)
-    prompts = load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples)
+    prompts = load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples, args.dataset_probs)
     eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args) if args.eval_dataset else []
     if len(prompts) < args.rollout_batch_size:
         common.fail(f"{args.dataset}: {len(prompts)} usable prompts, fewer than --rollout_batch_size")
@@ -581,7 +595,7 @@ def main():
         generate = lambda ps, temperature: generate_ray(engines, ps, args, eos, temperature)  # noqa: E731
     elif args.vllm:
         llm = start_vllm(args, actor.module.config.vocab_size)
-        sync = lambda: load_vllm_weights(llm, full_weights(actor.module, args),  # noqa: E731
+        sync = lambda: load_vllm_weights(llm, common.merged_weights(actor.module, args),  # noqa: E731
                                          actor.module.config.tie_word_embeddings)
         generate = lambda ps, temperature: generate_vllm(llm, ps, args, eos, temperature)  # noqa: E731
     else:
@@ -631,7 +645,7 @@ def main():
         rewards = kl_penalized_rewards(scores, torch.nn.utils.rnn.pad_sequence(kl, batch_first=True), mask, kl_coef)
         advantages, returns = compute_gae(rewards, torch.nn.utils.rnn.pad_sequence(values, batch_first=True), mask,
                                           args.gamma, args.lambd)
-        advantages = common.masked_whiten(advantages, mask, across_ranks=True)
+        advantages = common.masked_whiten(advantages, mask, across_ranks=True, std_norm=not args.no_advantage_std_norm)
         for i, s in enumerate(samples):
             s.update(old_logprobs=old_logprobs[i], values=values[i], advantages=advantages[i][mask[i]],
                      returns=returns[i][mask[i]])
@@ -660,7 +674,7 @@ def main():
                     ratio = torch.exp(logp.detach() - old)
                     stats["policy_loss"].append(loss.item())
                     stats["clip_frac"].append(common.masked_mean(((ratio - 1).abs() > args.eps_clip).float(), m).item())
-                    stats["entropy"].append(common.masked_mean(entropy, m).item())
+                    stats["entropy"].append(common.masked_mean(entropy.detach(), m).item())
                 v = critic_values(critic, batch, args, tokenizer.pad_token_id)
                 old_v, ret = pad([s["values"] for s in mb]), pad([s["returns"] for s in mb])
                 m = pad([torch.ones(len(s["response"]), dtype=torch.bool) for s in mb])
@@ -709,7 +723,6 @@ def main():
         if eval_prompts and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
             actor.module.eval()
             logger.log(step + 1, evaluate(eval_prompts, generate, reward_fn, eval_fn, tokenizer, args), prefix="eval")
-    logger.close()
 
     done = max(total_steps - start_step, 1)
     results.update(train_time_s=time.time() - start, steps=total_steps,
@@ -719,6 +732,7 @@ def main():
         metrics = evaluate(eval_prompts, generate, reward_fn, eval_fn, tokenizer, args)
         logger.log(total_steps, metrics, prefix="eval")
         results.update({f"eval_{k}": v for k, v in metrics.items()})
+    logger.close()  # after the final eval is logged (it closes TensorBoard and wandb)
     common.save_hf_model(actor, tokenizer, args.save_path, args)
     if args.save_value_network:
         common.save_hf_model(critic, tokenizer, args.save_path.rstrip("/") + "_critic", args)

@@ -136,6 +136,7 @@ def main():
     parser.add_argument("--placeholder_token", default="ки", help="marks the end of every step in the input")
     parser.add_argument("--reward_tokens", nargs="+", default=["+", "-"], help="good first, then bad")
     parser.add_argument("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: at the end)")
+    parser.add_argument("--aux_loss_coef", type=float, default=0.0, help="MoE router load-balancing loss weight")
     parser.set_defaults(save_path="runs/prm", learning_rate=2e-6)
     args = common.parse_args(parser, lambda root: dict(
         dataset=str(root / "prm_train.jsonl"), eval_dataset=str(root / "prm_test.jsonl"),
@@ -148,8 +149,9 @@ def main():
     placeholder_id, reward_ids = setup_tokens(tokenizer, args.placeholder_token, args.reward_tokens)
     keys = [args.input_key, args.label_key]
 
-    def tokenize(source, split, max_samples=None):
-        records, where = common.load_records(source, split, keys, max_samples, with_locations=True)
+    def tokenize(source, split, max_samples=None, probs=None):
+        records, where = common.load_records(source, split, keys, max_samples, with_locations=True, probs=probs,
+                                             seed=args.seed)
         samples = [tokenize_sample(r, w, tokenizer, placeholder_id, args.reward_tokens, reward_ids, args)
                    for r, w in zip(records, where)]
         kept = [s for s in samples if s is not None]
@@ -159,13 +161,14 @@ def main():
                                  f"step and dropped {len(samples) - len(kept)} whose first step does not fit")
         return [(ids, labels) for ids, labels, _ in kept]
 
-    train = tokenize(args.dataset, args.dataset_split, args.max_samples)
+    train = tokenize(args.dataset, args.dataset_split, args.max_samples, args.dataset_probs)
     if len(train) < args.train_batch_size:
         common.fail(f"{args.dataset}: {len(train)} usable samples, fewer than --train_batch_size")
     eval_data = tokenize(args.eval_dataset, args.eval_split) if args.eval_dataset else []
 
     cfg = common.ds_config(args)
     model = common.load_model(args.pretrain, args, tokenizer, cfg)
+    common.enable_router_loss(model, args.aux_loss_coef)
     total_steps = len(train) // args.train_batch_size * args.max_epochs
     engine = common.setup_deepspeed(model, args, cfg, total_steps)
     start_step = common.load_checkpoint(engine, args)
@@ -177,9 +180,11 @@ def main():
             ids, mask, pos = common.batch_sequences([train[i][0] for i in idx], tokenizer.pad_token_id,
                                                     args.packing_samples)
             labels, _, _ = common.batch_sequences([train[i][1] for i in idx], -100, args.packing_samples)
-            logits = engine(input_ids=ids.to(engine.device), position_ids=pos.to(engine.device),
-                            attention_mask=None if mask is None else mask.to(engine.device), use_cache=False).logits
-            loss, acc = prm_loss(logits, ids.to(engine.device), labels.to(engine.device), placeholder_id, reward_ids)
+            out = engine(input_ids=ids.to(engine.device), position_ids=pos.to(engine.device),
+                         attention_mask=None if mask is None else mask.to(engine.device), use_cache=False)
+            loss, acc = prm_loss(out.logits, ids.to(engine.device), labels.to(engine.device), placeholder_id, reward_ids)
+            if args.aux_loss_coef:  # a mixture of experts' router load-balancing loss
+                loss = loss + args.aux_loss_coef * out.aux_loss
             engine.backward(loss)
             engine.step()
             stats.append([loss.item(), acc.item()])
@@ -192,13 +197,13 @@ def main():
         if eval_data and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
             logger.log(step + 1, evaluate(engine, eval_data, reward_ids, placeholder_id, tokenizer.pad_token_id, args),
                        prefix="eval")
-    logger.close()
 
     results = {"train_time_s": time.time() - start, "steps": total_steps}
     if eval_data:
         metrics = evaluate(engine, eval_data, reward_ids, placeholder_id, tokenizer.pad_token_id, args)
         logger.log(total_steps, metrics, prefix="eval")
         results.update({f"eval_{k}": v for k, v in metrics.items()})
+    logger.close()  # after the final eval is logged (it closes TensorBoard and wandb)
     extra = {"placeholder_token": args.placeholder_token, "placeholder_token_id": placeholder_id,
              "reward_tokens": args.reward_tokens, "reward_token_ids": reward_ids}
     common.save_hf_model(engine, tokenizer, args.save_path, args, extra_config=extra)

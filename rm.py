@@ -134,7 +134,8 @@ def main():
                  tokenize_response(r, args.rejected_key, tokenizer, args),
                  float(r[args.margin_key]) if args.margin_key else 0.0) for r in records]
 
-    train = tokenize(common.load_records(args.dataset, args.dataset_split, keys, args.max_samples))
+    train = tokenize(common.load_records(args.dataset, args.dataset_split, keys, args.max_samples,
+                                         probs=args.dataset_probs, seed=args.seed))
     if len(train) < args.train_batch_size:
         common.fail(f"{args.dataset}: {len(train)} pairs, fewer than --train_batch_size")
     eval_data = tokenize(common.load_records(args.eval_dataset, args.eval_split, keys)) if args.eval_dataset else []
@@ -170,7 +171,6 @@ def main():
             common.save_checkpoint(engine, args, step + 1)
         if eval_data and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
             logger.log(step + 1, evaluate(engine, eval_data, tokenizer, args), prefix="eval")
-    logger.close()
 
     results, extra = {"train_time_s": time.time() - start, "steps": total_steps}, {}
     if eval_data:
@@ -178,6 +178,7 @@ def main():
         logger.log(total_steps, metrics, prefix="eval")
         results.update({f"eval_{k}": v for k, v in metrics.items()})
         extra = {"mean": metrics["reward_mean"], "std": metrics["reward_std"]}  # OpenRLHF's names
+    logger.close()  # after the final eval is logged (it closes TensorBoard and wandb)
     common.save_hf_model(engine, tokenizer, args.save_path, args, extra_config=extra)
     common.write_results(args.save_path, results)
     if common.is_rank0():

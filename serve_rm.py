@@ -150,18 +150,10 @@ def score_batch(model, batch, args, pad_id):
 def load(args):
     """Tokenizer and model (eval mode), with what the reward kind needs checked up front."""
     tokenizer = common.load_tokenizer(args.reward_pretrain, args)
-    if args.load_in_4bit:
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError:
-            common.fail("--load_in_4bit needs bitsandbytes (GPU only)")
     kwargs = {"model_class": AutoModelForSequenceClassification, "num_labels": 1} if args.rm_type == "seq_cls" \
         else {"model_class": AutoModelForCausalLM}
-    if args.load_in_4bit:
-        from transformers import BitsAndBytesConfig
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
-    model = common.load_model(args.reward_pretrain, args, tokenizer, **kwargs).eval()
-    if not args.load_in_4bit:
+    model = common.load_model(args.reward_pretrain, args, tokenizer, trainable=False, **kwargs).eval()
+    if not args.load_in_4bit:  # bitsandbytes places 4-bit weights itself
         model.to("cuda" if torch.cuda.is_available() else "cpu")
     if args.rm_type == "prm" and not hasattr(model.config, "placeholder_token_id"):
         common.fail(f"{args.reward_pretrain} has no placeholder_token_id in its config: not a prm.py model")
@@ -336,7 +328,7 @@ def main():
     a("--max_texts", type=int, default=4096, help="texts per request")
     a("--log_requests", action="store_true", help="log request texts and the access log (off: nothing of them)")
     args = p.parse_args()
-    args.gradient_checkpointing = False
+    args.gradient_checkpointing = args.use_liger_kernel = False
     args.max_batch_tokens = args.max_batch_tokens or (16384 if torch.cuda.is_available() else 2048)
     uvicorn.run(create_app(args), host=args.host, port=args.port, log_level="warning",
                 access_log=args.log_requests, timeout_graceful_shutdown=30)

@@ -7,6 +7,7 @@
 
 Data: one record per sample, `input` (the prompt: a string, or a list of chat messages) and `output`
 (the response). With --multiturn, `input` is a whole conversation and every assistant turn is trained on.
+With --pretrain_mode, `input` (then `output`, if present) is plain text and every token is trained on.
 """
 
 import argparse
@@ -35,7 +36,9 @@ def tokenize_sample(record, tokenizer, args):
     """-> (input_ids, labels) as 1-D LongTensors, labels -100 on every token that is not a response.
     None if the prompt alone does not fit in --max_len (the sample is dropped, and counted)."""
     chat = args.apply_chat_template
-    if args.multiturn:
+    if args.pretrain_mode:
+        pieces = [(str(record[args.input_key]) + str(record.get(args.output_key) or ""), True)]
+    elif args.multiturn:
         pieces = multiturn_pieces(record[args.input_key], tokenizer)
     else:
         prompt = common.format_prompt(record[args.input_key], tokenizer, args)
@@ -131,7 +134,9 @@ def main():
     parser.add_argument("--multiturn", action="store_true", help="train on every assistant turn of `input`")
     parser.add_argument("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: at the end)")
     parser.add_argument("--eval_generate_samples", type=int, default=0,
-                        help="greedy-generate this many eval prompts and report exact match")
+                        help="greedy-generate this many eval prompts and report exact match (not in --pretrain_mode)")
+    parser.add_argument("--pretrain_mode", action="store_true", help="plain text, loss on every token")
+    parser.add_argument("--aux_loss_coef", type=float, default=0.0, help="MoE router load-balancing loss weight")
     parser.add_argument("--generate_max_len", type=int, default=64, help="new tokens for eval generation")
     parser.set_defaults(save_path="runs/sft", learning_rate=5e-6)
     args = common.parse_args(parser, lambda root: dict(
@@ -140,12 +145,17 @@ def main():
         # calibrated on 2 CPU cores: ~98% held-out exact match in about 80 s
         learning_rate=1e-3, lr_warmup_ratio=0.1, train_batch_size=64, micro_train_batch_size=64,
         max_epochs=10, max_len=32))
+    if args.pretrain_mode and (args.apply_chat_template or args.multiturn):
+        common.fail("--pretrain_mode trains on raw text: it does not combine with --apply_chat_template or --multiturn")
+    if args.pretrain_mode:
+        args.eval_generate_samples = 0  # no prompt/answer split to compare
     common.init_distributed(args)
     start = time.time()
 
     tokenizer = common.load_tokenizer(args.pretrain, args)
-    keys = [args.input_key] if args.multiturn else [args.input_key, args.output_key]
-    records = common.load_records(args.dataset, args.dataset_split, keys, args.max_samples)
+    keys = [args.input_key] if args.multiturn or args.pretrain_mode else [args.input_key, args.output_key]
+    records = common.load_records(args.dataset, args.dataset_split, keys, args.max_samples, probs=args.dataset_probs,
+                                  seed=args.seed)
     train = [s for s in (tokenize_sample(r, tokenizer, args) for r in records) if s is not None]
     if len(train) < len(records) and common.is_rank0():
         common.console.print(f"dropped {len(records) - len(train)} samples whose prompt exceeds --max_len")
@@ -156,6 +166,7 @@ def main():
 
     cfg = common.ds_config(args)
     model = common.load_model(args.pretrain, args, tokenizer, cfg)
+    common.enable_router_loss(model, args.aux_loss_coef)
     total_steps = len(train) // args.train_batch_size * args.max_epochs
     engine = common.setup_deepspeed(model, args, cfg, total_steps)
     start_step = common.load_checkpoint(engine, args)
@@ -167,10 +178,12 @@ def main():
             ids, mask, pos = common.batch_sequences([train[i][0] for i in idx], tokenizer.pad_token_id,
                                                     args.packing_samples)
             labels, _, _ = common.batch_sequences([train[i][1] for i in idx], -100, args.packing_samples)
-            logits = engine(input_ids=ids.to(engine.device), position_ids=pos.to(engine.device),
-                            attention_mask=None if mask is None else mask.to(engine.device),
-                            use_cache=False).logits  # use_cache=False keeps packed rows apart
-            loss = sft_loss(logits, labels.to(engine.device))
+            out = engine(input_ids=ids.to(engine.device), position_ids=pos.to(engine.device),
+                         attention_mask=None if mask is None else mask.to(engine.device),
+                         use_cache=False)  # use_cache=False keeps packed rows apart
+            loss = sft_loss(out.logits, labels.to(engine.device))
+            if args.aux_loss_coef:  # a mixture of experts' router load-balancing loss
+                loss = loss + args.aux_loss_coef * out.aux_loss
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -182,13 +195,13 @@ def main():
             common.save_checkpoint(engine, args, step + 1)
         if eval_data and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
             logger.log(step + 1, evaluate(engine, eval_data, eval_records, tokenizer, args), prefix="eval")
-    logger.close()
 
     results = {"train_time_s": time.time() - start, "steps": total_steps}
     if eval_data:
         metrics = evaluate(engine, eval_data, eval_records, tokenizer, args)
         logger.log(total_steps, metrics, prefix="eval")
         results.update({f"eval_{k}": v for k, v in metrics.items()})
+    logger.close()  # after the final eval is logged (it closes TensorBoard and wandb)
     common.save_hf_model(engine, tokenizer, args.save_path, args)
     common.write_results(args.save_path, results)
     if common.is_rank0():

@@ -13,7 +13,7 @@ LENGTHS = [3, 7, 1, 12, 5, 9]
 
 
 def toy_args(**kw):
-    return script_args(**{"output_key": "output", "multiturn": False, "chosen_key": "chosen",
+    return script_args(**{"output_key": "output", "multiturn": False, "pretrain_mode": False, "chosen_key": "chosen",
                           "rejected_key": "rejected", **kw})
 
 
@@ -129,3 +129,13 @@ def test_truncated_response_still_ends_in_eos_and_is_scored_there(reward_model, 
         got = rm.sequence_rewards(reward_model, ids, mask, pos, [len(s) for s in seqs] if packing else None)
         expected = torch.stack([reward_model(input_ids=s[None]).logits[0, 0] for s in seqs])
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_pretrain_mode_trains_on_every_token(tokenizer):
+    record = {"input": "12+34=", "output": "46"}
+    ids, labels = sft.tokenize_sample(record, tokenizer, toy_args(max_len=32, pretrain_mode=True))
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "12+34=46"
+    assert ids[-1] == tokenizer.eos_token_id
+    assert torch.equal(ids, labels)  # the loss covers the prompt too
+    plain, plain_labels = sft.tokenize_sample(record, tokenizer, toy_args(max_len=32))
+    assert torch.equal(ids, plain) and (plain_labels == -100).sum() == len("12+34=") + 1  # bos + prompt masked

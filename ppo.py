@@ -305,15 +305,17 @@ def forward_inputs(batch, args, pad_id, device):
 
 def response_logprobs(model, batch, args, pad_id, with_entropy=False):
     """Log-probs (at --temperature, as sampled) of each response token; batch: list of (prompt_ids,
-    response_ids). -> logprobs [B, R], entropy [B, R] or None, mask [B, R]."""
+    response_ids). -> logprobs [B, R], entropy [B, R] or None, mask [B, R], and the forward's MoE router loss
+    (None unless --aux_loss_coef turned it on)."""
     device = next(model.parameters()).device
-    logits = model(**forward_inputs(batch, args, pad_id, device)).logits
+    out = model(**forward_inputs(batch, args, pad_id, device))
+    logits = out.logits
     rows, cols = response_positions(batch, args.packing_samples)
     logp_all = F.log_softmax(logits[rows, cols].float() / args.temperature, -1)  # [sum R, V]
     logp = logp_all.gather(-1, torch.cat([r for _, r in batch]).to(device)[:, None]).squeeze(-1)
     logp, mask = split_pad(logp, batch)
     entropy = split_pad(-(logp_all.exp() * logp_all).sum(-1), batch)[0] if with_entropy else None  # has a gradient
-    return logp, entropy, mask
+    return logp, entropy, mask, getattr(out, "aux_loss", None)
 
 
 def critic_values(critic, batch, args, pad_id):
@@ -518,6 +520,7 @@ def main():
     a("--dual_clip", type=float, default=None, help="cap the loss of negative advantages at dual_clip * |A| (> 1)")
     a("--value_clip", type=float, default=0.2)
     a("--entropy_loss_coef", type=float, default=0.0, help="entropy bonus (0: off)")
+    a("--aux_loss_coef", type=float, default=0.0, help="MoE router load-balancing loss weight (actor)")
     a("--actor_learning_rate", dest="learning_rate", type=float, help="same as --learning_rate")
     a("--critic_learning_rate", type=float, default=9e-6)
     a("--freezing_actor_steps", type=int, default=0, help="train only the critic for the first N steps")
@@ -562,6 +565,7 @@ def main():
 
     cfg = common.ds_config(args)
     actor = common.load_model(args.pretrain, args, tokenizer, cfg)
+    common.enable_router_loss(actor, args.aux_loss_coef)
     disable_dropout(actor)
     actor = common.setup_deepspeed(actor, args, cfg, updates)
     critic_path = args.critic_pretrain or args.reward_pretrain or args.pretrain
@@ -664,11 +668,14 @@ def main():
                 mb = [samples[j] for j in order[i:i + args.micro_train_batch_size]]
                 batch = [(s["prompt"], s["response"]) for s in mb]
                 if train_actor:
-                    logp, entropy, m = response_logprobs(actor, batch, args, tokenizer.pad_token_id, with_entropy=True)
+                    logp, entropy, m, aux = response_logprobs(actor, batch, args, tokenizer.pad_token_id,
+                                                              with_entropy=True)
                     old, adv = pad([s["old_logprobs"] for s in mb]), pad([s["advantages"] for s in mb])
                     loss = policy_loss(logp, old, adv, m, args.eps_clip, args.dual_clip)
                     if args.entropy_loss_coef:
                         loss = loss - args.entropy_loss_coef * common.masked_mean(entropy, m)
+                    if args.aux_loss_coef:  # a mixture of experts' router load-balancing loss
+                        loss = loss + args.aux_loss_coef * aux
                     actor.backward(loss)
                     actor.step()
                     ratio = torch.exp(logp.detach() - old)

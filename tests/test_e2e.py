@@ -60,6 +60,7 @@ def stock_rm_eval(path, toy_world):
 def test_sft_then_rm(toy_world, tmp_path, nproc, zero, packing):
     micro = 16 // nproc
     extra = SMALL + ["--zero_stage", zero, "--micro_train_batch_size", micro] + (["--packing_samples"] if packing else [])
+    extra += ["--overlap_comm"] if zero == 2 else []  # ZeRO-2's reduction overlapped with the backward
     run_script("sft.py", *extra, "--save_path", tmp_path / "sft", "--eval_generate_samples", 8, nproc=nproc, cwd=tmp_path)
     sft = results(tmp_path / "sft")
     assert sft["steps"] == 4 and 0 <= sft["eval_exact_match"] <= 1

@@ -28,7 +28,7 @@ EVERYWHERE = ["--lora_rank", "--lora_alpha", "--lora_dropout", "--target_modules
               "--adam_betas", "--l2", "--lr_scheduler", "--lr_warmup_ratio", "--max_norm", "--max_epochs",
               "--overlap_comm", "--use_liger_kernel", "--ds_tensor_parallel_size", "--logging_steps", "--eval_steps",
               "--save_steps", "--use_tensorboard", "--use_wandb"]
-ONLY = {"--pretrain_mode": ("sft.py",), "--aux_loss_coef": ("sft.py", "prm.py"),
+ONLY = {"--pretrain_mode": ("sft.py",), "--aux_loss_coef": ("sft.py", "prm.py", "ppo.py", "grpo.py"),
         **{o: ("ppo.py", "grpo.py") for o in ("--eval_n_samples_per_prompt", "--eval_temperature",
                                               "--enable_prefix_caching", "--no_advantage_std_norm",
                                               "--entropy_loss_coef")}}
@@ -100,10 +100,12 @@ def lr_closed_form(name, step, total, warmup, peak, min_rate=0.1):
 
 
 def test_lora_sft_trains_merges_and_follows_its_schedule(policy, toy_world, tmp_path):
+    """Two processes, ZeRO-3: the adapters are partitioned too, and gathered when saved."""
     tb = tmp_path / "tb"
     proc = run_script("sft.py", "--pretrain", policy, "--lora_rank", 16, "--lora_alpha", 32, "--learning_rate", 3e-3,
                       "--max_samples", 6400, "--max_epochs", 1, "--lr_warmup_ratio", 0.1, "--eval_generate_samples", 0,
-                      "--logging_steps", 1, "--use_tensorboard", tb, "--save_path", tmp_path / "lora")
+                      "--zero_stage", 3, "--micro_train_batch_size", 32, "--logging_steps", 1, "--use_tensorboard", tb,
+                      "--save_path", tmp_path / "lora", nproc=2)
     config = AutoConfig.from_pretrained(policy)
     total = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(policy).parameters())
     trained = lora_params(config, 16)
@@ -227,6 +229,18 @@ def test_moe_router_loss_matches_hugging_face(toy_world, tokenizer, tmp_path):
     assert out.aux_loss > 0
     assert tb_scalars(tb, "train/loss")[1] == pytest.approx(out.loss.item(), rel=1e-5)
 
+    # grpo.py adds it to the policy loss: the same first rollout (same seed, same model) with and without
+    # it differs by coef * aux, where 0 < aux <= num_experts (fractions of top-k picks times mean router
+    # probabilities, summed over experts)
+    first = []
+    for coef in (0.5, 0.0):
+        run_script("grpo.py", "--pretrain", tmp_path / "moe", "--aux_loss_coef", coef, "--max_samples", 16,
+                   "--rollout_batch_size", 8, "--n_samples_per_prompt", 2, "--train_batch_size", 16,
+                   "--micro_train_batch_size", 16, "--eval_dataset", "", "--use_tensorboard", tmp_path / f"tb{coef}",
+                   "--save_path", tmp_path / f"g{coef}")
+        first.append(tb_scalars(tmp_path / f"tb{coef}", "train/policy_loss")[1])
+    assert 0 < (first[0] - first[1]) / 0.5 <= config.num_local_experts
+
 
 def test_no_advantage_std_norm_only_centers():
     g = torch.Generator().manual_seed(0)
@@ -253,7 +267,7 @@ def test_entropy_bonus_has_a_gradient(policy, rl):
     batch = [(torch.tensor(tok("12+34=")["input_ids"]), torch.tensor([5, 7, 9])),
              (torch.tensor(tok("7+8=")["input_ids"]), torch.tensor([4, 2]))]
     args = script_args(temperature=0.7, packing_samples=False)
-    _, entropy, mask = rl.response_logprobs(model, batch, args, tok.pad_token_id, with_entropy=True)
+    _, entropy, mask, _ = rl.response_logprobs(model, batch, args, tok.pad_token_id, with_entropy=True)
     assert entropy.requires_grad
     common.masked_mean(entropy, mask).backward()
     assert sum(p.grad.abs().sum().item() for p in model.parameters() if p.grad is not None) > 0
@@ -270,10 +284,10 @@ RL_STEP = ["--max_samples", 64, "--rollout_batch_size", 16, "--train_batch_size"
 
 
 def test_grpo_lora_with_vllm(policy, eval_file, tmp_path):
-    """The vLLM engine gets the merged weights after every update: its greedy eval completions of the last
-    policy equal HF's on the merged model, reloaded by the stock class."""
+    """The vLLM engine gets the merged weights after every update (gathered from ZeRO-3 partitions): its
+    greedy eval completions of the last policy equal HF's on the merged model, reloaded by the stock class."""
     run_script("grpo.py", *RL_STEP, "--n_samples_per_prompt", 4, "--train_batch_size", 32, "--pretrain", policy,
-               "--eval_dataset", eval_file, "--vllm", "--enable_prefix_caching", "--lora_rank", 8,
+               "--eval_dataset", eval_file, "--vllm", "--zero_stage", 3, "--enable_prefix_caching", "--lora_rank", 8,
                "--learning_rate", 1e-3, "--no_advantage_std_norm", "--entropy_loss_coef", 0.01,
                "--save_path", tmp_path / "g")
     run_script("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "g", "--output_path", tmp_path / "m")
@@ -303,3 +317,14 @@ def test_ppo_lora_actor_and_critic_with_pass_at_k(policy, eval_file, tmp_path):
     from transformers import AutoModelForSequenceClassification
     critic = AutoModelForSequenceClassification.from_pretrained(tmp_path / "critic")
     assert critic.score.weight.shape == (1, critic.config.hidden_size)
+
+
+def test_tokenizer_chat_template_replaces_the_tokenizers(toy_world, tmp_path):
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    messages = [{"role": "user", "content": "1+1="}]
+    for given in (template, str(tmp_path / "t.jinja")):  # the text itself, or a file holding it
+        tok = common.load_tokenizer(toy_world / "model", script_args(tokenizer_chat_template=given))
+        assert tok.apply_chat_template(messages, tokenize=False) == "[user]1+1="
+    stock = common.load_tokenizer(toy_world / "model", script_args())
+    assert stock.apply_chat_template(messages, tokenize=False) != "[user]1+1="

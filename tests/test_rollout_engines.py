@@ -89,7 +89,7 @@ def backend_parity(policy, eval_file, script, backend, lora):
     for packing in (False, True):
         args.packing_samples = packing
         with torch.no_grad():
-            logp, _, mask = rl.response_logprobs(model, list(zip(prompts, responses)), args, tok.pad_token_id)
+            logp, _, mask, _ = rl.response_logprobs(model, list(zip(prompts, responses)), args, tok.pad_token_id)
         ours[packing] = max((logp[i][mask[i]].double() - hf_logprobs(p, r)).abs().max().item()
                             for i, (p, r) in enumerate(zip(prompts, responses)))
     print(json.dumps({"prompts": len(prompts), "greedy_equal": greedy_equal, "stale_logprob_diff": stale,

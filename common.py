@@ -127,6 +127,16 @@ def parse_args(parser, toy_defaults):
     return args
 
 
+def check_rl_options(args):
+    """grpo.py and ppo.py: the evaluation and vLLM options that only make sense together."""
+    if args.enable_prefix_caching and not (args.vllm or args.ray):
+        fail("--enable_prefix_caching is a vLLM option: add --vllm or --ray")
+    if args.eval_n_samples_per_prompt < 1:
+        fail("--eval_n_samples_per_prompt must be >= 1")
+    if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
+        fail("--eval_n_samples_per_prompt > 1 needs --eval_temperature > 0 (greedy completions are identical)")
+
+
 # ---------------------------------------------------------------------------------------- distributed
 def init_distributed(args):
     """Works under `deepspeed`, `torchrun` and plain `python` (then as a world of one)."""

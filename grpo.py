@@ -479,16 +479,6 @@ def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
     return out
 
 
-def check_rl_options(args):
-    """RL options that only make sense together."""
-    if args.enable_prefix_caching and not (args.vllm or args.ray):
-        common.fail("--enable_prefix_caching is a vLLM option: add --vllm or --ray")
-    if args.eval_n_samples_per_prompt < 1:
-        common.fail("--eval_n_samples_per_prompt must be >= 1")
-    if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
-        common.fail("--eval_n_samples_per_prompt > 1 needs --eval_temperature > 0 (greedy completions are identical)")
-
-
 def main():
     parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     a = parser.add_argument
@@ -554,7 +544,7 @@ def main():
         common.fail("--dual_clip must be > 1")
     if args.overlong_buffer_len >= args.generate_max_len:
         common.fail("--overlong_buffer_len must be below --generate_max_len")
-    check_rl_options(args)
+    common.check_rl_options(args)
     client = args.remote_rm_url and common.reward_client(
         args.remote_rm_url, args.remote_rm_batch_size, args.remote_rm_timeout, args.remote_rm_retries)
     rank, world = common.init_distributed(args)

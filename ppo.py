@@ -464,16 +464,6 @@ def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
     return out
 
 
-def check_rl_options(args):
-    """RL options that only make sense together."""
-    if args.enable_prefix_caching and not (args.vllm or args.ray):
-        common.fail("--enable_prefix_caching is a vLLM option: add --vllm or --ray")
-    if args.eval_n_samples_per_prompt < 1:
-        common.fail("--eval_n_samples_per_prompt must be >= 1")
-    if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
-        common.fail("--eval_n_samples_per_prompt > 1 needs --eval_temperature > 0 (greedy completions are identical)")
-
-
 def main():
     parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     a = parser.add_argument
@@ -544,7 +534,7 @@ def main():
     if not args.colocate:
         common.fail("--no-colocate (actor, critic, reference and reward model on separate devices) is not "
                     "supported: the trainer's models share its devices; --ray moves generation off them")
-    check_rl_options(args)
+    common.check_rl_options(args)
     client = args.remote_rm_url and common.reward_client(
         args.remote_rm_url, args.remote_rm_batch_size, args.remote_rm_timeout, args.remote_rm_retries)
     eval_fn = args.eval_reward_func and common.reward_client(args.eval_reward_func)

@@ -145,7 +145,7 @@ def generate_hf(model, prompts, args, tokenizer, temperature):
         seqs = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
                               max_new_tokens=args.generate_max_len, pad_token_id=tokenizer.pad_token_id,
                               eos_token_id=eos, synced_gpus=args.zero_stage == 3 and dist.get_world_size() > 1,
-                              **sampling)
+                              use_cache=True, **sampling)  # the KV cache, even if the checkpoint's config is off
         for row in seqs[:, ids.size(1):].cpu():
             stop = (row == eos).nonzero()
             out.append(row[:stop[0, 0] + 1] if len(stop) else row)  # after EOS come pads

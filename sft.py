@@ -124,7 +124,8 @@ def greedy_generate(engine, tokenizer, prompts, args):
     out = engine.module.generate(
         input_ids=enc["input_ids"].to(engine.device), attention_mask=enc["attention_mask"].to(engine.device),
         max_new_tokens=args.generate_max_len, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, synced_gpus=args.zero_stage == 3 and dist.get_world_size() > 1)
+        eos_token_id=tokenizer.eos_token_id, synced_gpus=args.zero_stage == 3 and dist.get_world_size() > 1,
+        use_cache=True)  # the KV cache, even if the checkpoint's config turned it off
     return tokenizer.batch_decode(out[:, enc["input_ids"].size(1):], skip_special_tokens=True)
 
 

@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import deepspeed  # noqa: E402
 import torch.distributed as dist
 import transformers
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -239,6 +240,27 @@ def load_tokenizer(path, args):
     return tokenizer
 
 
+def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None, **kwargs):
+    """Attention for --packing_samples without flash-attn: causal sdpa within each sequence of a packed row
+    (they start where position_ids restart at 0), one call per sequence. Plain sdpa would attend over the
+    whole row through a block-diagonal mask, spending most of its attention FLOPs on pairs of tokens from
+    different sequences. Anything that is not a packed row (padded batches, generation) goes to sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if position_ids is None or query.size(0) != 1 or query.size(2) != key.size(2):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    starts = (position_ids[0] == 0).nonzero().flatten().tolist() + [query.size(2)]
+    outs = [torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout, scale=scaling, is_causal=True,
+        enable_gqa=key.size(1) != query.size(1)) for s, e in zip(starts, starts[1:]) if e > s]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+transformers.AttentionInterface.register("packed_sdpa", packed_sdpa)
+AttentionMaskInterface.register("packed_sdpa", sdpa_mask)  # the mask sdpa gets, for what is not a packed row
+
+
 def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.AutoModelForCausalLM, trainable=True,
                **kwargs):
     """from_pretrained with our flags; under ZeRO-3 the weights load already partitioned. A `trainable`
@@ -266,7 +288,8 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
     try:
         model = model_class.from_pretrained(
             path, dtype=torch.bfloat16 if args.bf16 else torch.float32,
-            attn_implementation="flash_attention_2" if args.flash_attn else "sdpa",
+            attn_implementation="flash_attention_2" if args.flash_attn else
+            "packed_sdpa" if getattr(args, "packing_samples", False) else "sdpa",
             trust_remote_code=args.trust_remote_code, **kwargs)
     except (OSError, ValueError, ImportError) as e:
         fail(f"cannot load model {path!r}: {str(e).splitlines()[0]}")

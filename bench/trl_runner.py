@@ -56,7 +56,7 @@ def main():
 
         model = AutoModelForCausalLM.from_pretrained(cfg["model"])
         model.config.use_cache = False  # padding-free rows are only right without the cache (see STACK.md)
-        trainer = SFTTrainer(model=model, args=SFTConfig(max_length=cfg["max_len"], padding_free=True,
+        trainer = SFTTrainer(model=model, args=SFTConfig(max_length=None, padding_free=True,  # rows fit already
                                                          completion_only_loss=True, **common),
                              train_dataset=data, processing_class=tokenizer, callbacks=[timer])
     else:

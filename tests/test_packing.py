@@ -47,6 +47,38 @@ def test_packed_and_padded_logits_equal_each_sequence_alone(toy_world, sequences
         offset += len(s)
 
 
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_packed_sdpa_attends_within_each_sequence(toy_world, sequences, tokenizer, kv_heads):
+    """common.packed_sdpa (what --packing_samples loads): one sdpa call per packed sequence gives each
+    sequence's logits alone, and their gradients, also with grouped-query attention (2 key/value heads)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(toy_world / "model", num_key_value_heads=kv_heads or 4)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    packed_model = AutoModelForCausalLM.from_config(config, attn_implementation="packed_sdpa")
+    packed_model.load_state_dict(model.state_dict())
+    ids, _, pos = common.batch_sequences(sequences, tokenizer.pad_token_id, packing=True)
+    packed = packed_model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+    (packed.square().mean()).backward()
+    alone, offset = 0.0, 0
+    for s in sequences:
+        logits = model(input_ids=s[None]).logits[0]
+        torch.testing.assert_close(packed[offset:offset + len(s)], logits, atol=1e-5, rtol=0)
+        alone = alone + logits.square().sum() / packed.numel()
+        offset += len(s)
+    alone.backward()
+    grads = dict(packed_model.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, atol=1e-6, rtol=1e-4)
+    # not a packed row (a padded batch): plain sdpa with the mask
+    ids, mask, pos = common.batch_sequences(sequences, tokenizer.pad_token_id, packing=False)
+    with torch.no_grad():
+        padded = packed_model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        for i, s in enumerate(sequences):
+            torch.testing.assert_close(padded[i, :len(s)], model(input_ids=s[None]).logits[0], atol=1e-5, rtol=0)
+
+
 @torch.no_grad()
 def test_sft_loss_packed_equals_padded(toy_world, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(toy_world / "model").eval()

@@ -211,6 +211,8 @@ def setup_deepspeed(model, args, config, num_training_steps):
         scheduler_specific_kwargs={"min_lr_rate": 0.1} if args.lr_scheduler == "cosine_with_min_lr" else None,
     )
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    if dist.get_world_size() == 1 and args.zero_stage == 0 and not args.bf16:
+        engine.enable_backward_allreduce = False  # one process: nothing to average; skips flattening every gradient
     if is_rank0():
         trained, total = trainable_share(model)
         console.print(f"training {trained:,} of {total:,} parameters ({100 * trained / total:.2f}%)")

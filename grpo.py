@@ -602,13 +602,17 @@ def main():
         results.update({f"eval_{k}_before": v for k, v in before.items()})
     stream = prompt_batches(prompts, args, cursor)
     times = {"generate_s": 0.0, "train_s": 0.0}
+    # One optimizer step per rollout and no reference model: the policy being updated is the one that sampled,
+    # so the old log-probs are the update's own, detached, and their separate forward pass is skipped.
+    on_policy = updates == 1 and ref is None
     for step in range(start_step, total_steps):
         # 1. rollout: sample, score, and the log-probs the update starts from
         engine.module.eval()
         samples, metrics = rollout(stream, generate, reward_fn, tokenizer, args)
         t = time.time()
-        for s, lp in zip(samples, forward_logprobs(engine.module, samples, args, tokenizer.pad_token_id)):
-            s["old_logprobs"] = lp
+        if not on_policy:
+            for s, lp in zip(samples, forward_logprobs(engine.module, samples, args, tokenizer.pad_token_id)):
+                s["old_logprobs"] = lp
         if ref is not None:
             for s, lp in zip(samples, forward_logprobs(ref, samples, args, tokenizer.pad_token_id)):
                 s["ref_logprobs"] = lp
@@ -635,7 +639,7 @@ def main():
                 mb = [samples[j] for j in order[i:i + args.micro_train_batch_size]]
                 logp, entropy, mask, aux = response_logprobs(engine, [(s["prompt"], s["response"]) for s in mb], args,
                                                         tokenizer.pad_token_id, with_entropy=True)
-                old = pad([s["old_logprobs"] for s in mb])
+                old = logp.detach() if on_policy else pad([s["old_logprobs"] for s in mb])
                 loss = policy_loss(logp, old, pad([s["advantages"] for s in mb]), mask, args.eps_clip_low,
                                    args.eps_clip_high, args.loss_agg_mode, args.generate_max_len,
                                    pad([s["ref_logprobs"] for s in mb]) if args.use_kl_loss and ref is not None

@@ -143,7 +143,7 @@ def ours(task, model_dir, data, steps, batch, variant=""):
         flags += ["--remote_rm_url", REWARD, "--n_samples_per_prompt", 4, "--rollout_batch_size", batch,
                   "--train_batch_size", batch * 4, "--micro_train_batch_size", batch * 4,
                   "--micro_rollout_batch_size", batch * 4, "--generate_max_len", 32, "--prompt_max_len", 512,
-                  "--max_samples", batch * steps, "--temperature", 1.0]
+                  "--max_samples", batch * steps, "--temperature", 1.0, "--packing_samples"]
         flags += ["--vllm"] if variant == "_vllm" else []
     else:
         flags += ["--train_batch_size", batch, "--micro_train_batch_size", batch, "--max_samples", batch * steps]

@@ -98,3 +98,17 @@ def test_grpo_reward_model(policy, eval_file, tmp_path):
         seq = out if out[-1] == tok.eos_token_id else torch.cat([out, torch.tensor([tok.eos_token_id])])
         scores.append(rm(seq[None]).logits[0, 0].item())
     assert results(tmp_path / "g")["eval_reward"] == pytest.approx(sum(scores) / len(scores), abs=1e-4)
+
+
+def test_on_policy_update_skips_the_old_logprob_forward(policy, tmp_path):
+    """One optimizer step per rollout and no reference model: the old log-probs are the update's own
+    (detached), not a separate forward. It trains as the explicit forward does, which a negligible KL
+    coefficient (1e-12: a reference model is loaded) forces."""
+    flags = ["--max_samples", 64, "--rollout_batch_size", 16, "--n_samples_per_prompt", 4, "--train_batch_size", 64,
+             "--micro_train_batch_size", 16, "--pretrain", policy, "--eval_dataset", ""]
+    run_script("grpo.py", *flags, "--save_path", tmp_path / "shortcut")
+    run_script("grpo.py", *flags, "--init_kl_coef", 1e-12, "--save_path", tmp_path / "explicit")
+    before, a, b = weights(policy), weights(tmp_path / "shortcut"), weights(tmp_path / "explicit")
+    moved = max((a[k] - before[k]).abs().max().item() for k in before)
+    assert moved > 1e-4
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 0.01 * moved

@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import deepspeed  # noqa: E402
 import torch.distributed as dist
 import transformers
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -247,8 +248,6 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     (they start where position_ids restart at 0), one call per sequence. Plain sdpa would attend over the
     whole row through a block-diagonal mask, spending most of its attention FLOPs on pairs of tokens from
     different sequences. Anything that is not a packed row (padded batches, generation) goes to sdpa."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if position_ids is None or query.size(0) != 1 or query.size(2) != key.size(2):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -647,24 +646,26 @@ def write_hf_dir(model, tokenizer, path, state=None, extra_config=None):
     shutil.rmtree(old, ignore_errors=True)
 
 
+def engine_params(model):
+    """(name, parameter) of what a rollout engine loads, in the checkpoint's names: every parameter but
+    LoRA's adapters, an adapted layer's base weight under its original name (".base_layer" dropped)."""
+    return [(name.replace(".base_layer", ""), p) for name, p in model.named_parameters() if ".lora_" not in name]
+
+
 def merged_weights(model, args):
-    """(name, tensor) of every weight, whole and in the checkpoint's names: what a rollout engine loads.
-    Under ZeRO-3 each is gathered (by all ranks) in turn. With LoRA an adapted layer's weight comes out
-    merged, W + alpha/r * B A (peft's get_delta_weight), and the adapter tensors themselves are not sent."""
+    """engine_params with every tensor whole: under ZeRO-3 each is gathered (by all ranks) in turn. With
+    LoRA an adapted layer's weight comes out merged, W + alpha/r * B A (peft's get_delta_weight)."""
     modules = dict(model.named_modules())
     zero3 = args.zero_stage == 3
-    for name, p in model.named_parameters():
-        if ".lora_" in name:
-            continue
-        if ".base_layer." not in name:
-            with deepspeed.zero.GatheredParameters([p], enabled=zero3):
-                yield name, p.detach().clone() if zero3 else p.detach()
-            continue
-        layer = modules[name.split(".base_layer.")[0]]
-        adapter = list(layer.lora_A.parameters()) + list(layer.lora_B.parameters()) if name.endswith("weight") else []
+    for name, p in engine_params(model):
+        layer = modules[name.rpartition(".")[0]]
+        adapter = [*layer.lora_A.parameters(), *layer.lora_B.parameters()] \
+            if hasattr(layer, "lora_A") and name.endswith(".weight") else []
         with deepspeed.zero.GatheredParameters([p] + adapter, enabled=zero3), torch.no_grad():
-            w = p + layer.get_delta_weight("default") if adapter else p.detach().clone()
-            yield name.replace(".base_layer", ""), w
+            if adapter:
+                yield name, p + layer.get_delta_weight("default")
+            else:
+                yield name, p.detach().clone() if zero3 else p.detach()
 
 
 def save_checkpoint(engine, args, step, extra=None, others=None):

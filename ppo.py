@@ -260,8 +260,7 @@ def sync_ray_engines(engines, group, model, args):
     """After an update: every parameter, whole, from trainer rank 0 to all engines at once."""
     import ray
 
-    specs = [(name.replace(".base_layer", ""), tuple(getattr(p, "ds_shape", p.shape)), p.dtype)
-             for name, p in model.named_parameters() if ".lora_" not in name]  # common.merged_weights' names
+    specs = [(name, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for name, p in common.engine_params(model)]
     received = [e.receive_weights.remote(specs) for e in engines] if group is not None else []
     for _, tensor in common.merged_weights(model, args):
         if group is not None:

@@ -4,6 +4,7 @@ Nothing here is an algorithm: losses, value heads and rollouts live in the scrip
 """
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -199,13 +200,15 @@ def ds_config(args):
 
 
 def setup_deepspeed(model, args, config, num_training_steps):
-    """AdamW (torch's: no op to compile) + warm-up/decay schedule, wrapped by a DeepSpeed engine."""
+    """AdamW (torch's fused kernel, CPU or GPU: no op to compile, and one pass over the states instead of one
+    per operation) + warm-up/decay schedule, wrapped by a DeepSpeed engine."""
     params = [p for p in model.parameters() if p.requires_grad]
     if args.adam_offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         optimizer = DeepSpeedCPUAdam(params, lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.l2)
     else:
-        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.l2)
+        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.l2,
+                                      fused=True)
     scheduler = transformers.get_scheduler(
         args.lr_scheduler, optimizer, num_warmup_steps=int(args.lr_warmup_ratio * num_training_steps),
         num_training_steps=num_training_steps,
@@ -244,17 +247,36 @@ def load_tokenizer(path, args):
 
 
 def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None, **kwargs):
-    """Attention for --packing_samples without flash-attn: causal sdpa within each sequence of a packed row
-    (they start where position_ids restart at 0), one call per sequence. Plain sdpa would attend over the
-    whole row through a block-diagonal mask, spending most of its attention FLOPs on pairs of tokens from
-    different sequences. Anything that is not a packed row (padded batches, generation) goes to sdpa."""
+    """Attention for --packing_samples without flash-attn, one sdpa call per piece of a packed row. Plain sdpa
+    would attend over the whole row through a block-diagonal mask, spending most of its FLOPs on pairs of
+    tokens from different sequences.
+    - A sequence starts where position_ids restart at 0 and attends causally within itself.
+    - A branch starts where they jump back to some p > 0: it continues the first p tokens of its sequence
+      instead of the tokens just before it, so it attends to those p and causally to itself. grpo.py packs a
+      group this way: the prompt once, each further response branching off it.
+    Anything that is not a packed row (padded batches, generation) goes to sdpa."""
     if position_ids is None or query.size(0) != 1 or query.size(2) != key.size(2):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    starts = (position_ids[0] == 0).nonzero().flatten().tolist() + [query.size(2)]
-    outs = [torch.nn.functional.scaled_dot_product_attention(
-        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout, scale=scaling, is_causal=True,
-        enable_gqa=key.size(1) != query.size(1)) for s, e in zip(starts, starts[1:]) if e > s]
+    pos = position_ids[0]
+    cuts = [0] + ((pos[1:] != pos[:-1] + 1).nonzero().flatten() + 1).tolist() + [len(pos)]
+    starts = pos[cuts[:-1]].tolist()
+    lengths = [e - s for s, e in zip(cuts, cuts[1:])]
+    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, dropout_p=dropout, scale=scaling,
+                             enable_gqa=key.size(1) != query.size(1))
+    outs, head = [], None
+    # split, not slices: a slice's backward writes a zero tensor the size of the whole row, once per piece
+    for cut, p, q, k, v in zip(cuts, starts, query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2)):
+        if p == 0:
+            head = (k, v)
+            outs.append(sdpa(q, k, v, is_causal=True))
+            continue
+        if head is None or p > head[0].size(2):
+            raise ValueError(f"packed row: positions jump to {p} at token {cut}, but the sequence before it "
+                             f"starts with {0 if head is None else head[0].size(2)} unbranched tokens")
+        prefix_k, prefix_v = (x if p == x.size(2) else x[:, :, :p] for x in head)
+        allowed = torch.ones(q.size(2), p + q.size(2), dtype=torch.bool, device=q.device).tril(p)
+        outs.append(sdpa(q, torch.cat([prefix_k, k], 2), torch.cat([prefix_v, v], 2), attn_mask=allowed))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 

@@ -136,15 +136,30 @@ def left_pad(seqs, pad_id):
 @torch.no_grad()
 def generate_hf(model, prompts, args, tokenizer, temperature):
     """HF generate: one completion per prompt (repeat a prompt for more), in chunks of
-    --micro_rollout_batch_size. A completion keeps its EOS; one that hit --generate_max_len has none."""
+    --micro_rollout_batch_size. A prompt repeated in a chunk (a group) is prefilled once, and each repeat
+    starts from a copy of its KV cache. A completion keeps its EOS; one that hit --generate_max_len has none."""
     eos, out = tokenizer.eos_token_id, []
+    synced = args.zero_stage == 3 and dist.get_world_size() > 1  # ZeRO-3: every rank runs every forward
     for i in range(0, len(prompts), args.micro_rollout_batch_size):
-        ids, mask = left_pad(prompts[i:i + args.micro_rollout_batch_size], tokenizer.pad_token_id)
+        chunk = prompts[i:i + args.micro_rollout_batch_size]
+        ids, mask = left_pad(chunk, tokenizer.pad_token_id)
+        keys = [tuple(p.tolist()) for p in chunk]
+        unique = {k: j for j, k in enumerate(dict.fromkeys(keys))}
+        share = len(unique) < len(chunk) and ids.size(1) > 1
+        if synced:
+            share = common.all_reduce_sum([float(share)])[0] == dist.get_world_size()
+        cache = None
+        if share:  # all but the last prompt token (generate starts from it), once per distinct prompt
+            u_ids, u_mask = left_pad([torch.tensor(k) for k in unique], tokenizer.pad_token_id)
+            u_ids, u_mask = u_ids[:, :-1].to(model.device), u_mask[:, :-1].to(model.device)
+            cache = model(input_ids=u_ids, attention_mask=u_mask, position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0),
+                          use_cache=True).past_key_values
+            cache.batch_select_indices(torch.tensor([unique[k] for k in keys], device=model.device))
         sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=0) if temperature > 0 \
             else dict(do_sample=False)
         seqs = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                              max_new_tokens=args.generate_max_len, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_id=eos, synced_gpus=args.zero_stage == 3 and dist.get_world_size() > 1,
+                              past_key_values=cache, max_new_tokens=args.generate_max_len,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, synced_gpus=synced,
                               use_cache=True, **sampling)  # the KV cache, even if the checkpoint's config is off
         for row in seqs[:, ids.size(1):].cpu():
             stop = (row == eos).nonzero()
@@ -298,23 +313,49 @@ def generate_ray(engines, prompts, args, eos_id, temperature, with_logprobs=Fals
     return ray.get(engine.generate.remote([p.tolist() for p in prompts], eos_id, temperature, with_logprobs))
 
 
+def pack_groups(batch, share_prompts):
+    """(prompt, response) pairs -> one packed row (ids, position_ids) and, per pair, the row positions whose
+    logits predict its response tokens. With share_prompts, pairs with the same prompt (a group) are laid out
+    together with one copy of it: the first response follows the prompt, every other one restarts its
+    positions at len(prompt), which common.packed_sdpa reads as "attends to the prompt, then causally to
+    itself". Same logits as packing every pair whole; the prompt's FLOPs are spent once per group."""
+    groups = {}  # prompt -> the pairs that have it, in order of first appearance
+    for i, (p, _) in enumerate(batch):
+        groups.setdefault(tuple(p.tolist()) if share_prompts else i, []).append(i)
+    ids, pos, cols, length = [], [], [None] * len(batch), 0
+    for members in groups.values():
+        prompt = batch[members[0]][0]
+        ids.append(prompt)
+        pos.append(torch.arange(len(prompt)))
+        length += len(prompt)
+        prompt_end = length - 1  # the prompt's last token predicts each response's first
+        for i in members:
+            r = batch[i][1]
+            ids.append(r)
+            pos.append(torch.arange(len(prompt), len(prompt) + len(r)))
+            cols[i] = torch.cat([torch.tensor([prompt_end]), torch.arange(length, length + len(r) - 1)])[:len(r)]
+            length += len(r)
+    return torch.cat(ids)[None], torch.cat(pos)[None], cols
+
+
 def response_logprobs(model, batch, args, pad_id, with_entropy=False):
     """Log-probs (at --temperature, as sampled) of each response token given what precedes it.
     batch: list of (prompt_ids, response_ids). -> logprobs [B, R], entropy [B, R] or None, mask [B, R], and
     the forward's MoE router loss (None unless --aux_loss_coef turned it on)."""
-    ids, attn, pos = common.batch_sequences([torch.cat(s) for s in batch], pad_id, args.packing_samples)
     device = next(model.parameters()).device
-    out = model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False,
-                attention_mask=None if attn is None else attn.to(device))
-    logits = out.logits
-    rows, cols, offset = [], [], 0  # the positions whose logits predict a response token
-    for i, (p, r) in enumerate(batch):
-        start = (offset if args.packing_samples else 0) + len(p) - 1
-        rows.append(torch.full((len(r),), 0 if args.packing_samples else i))
-        cols.append(torch.arange(start, start + len(r)))
-        offset += len(p) + len(r)
-    logits = logits[torch.cat(rows), torch.cat(cols)].float() / args.temperature  # [sum R, V]
-    logp_all = F.log_softmax(logits, -1)
+    if args.packing_samples:  # branches need common.packed_sdpa; flash-attn's varlen kernel knows sequences only
+        attention = getattr(model, "module", model).config._attn_implementation
+        ids, pos, cols = pack_groups(batch, share_prompts=attention == "packed_sdpa")
+        out = model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False)
+        logits = out.logits[0, torch.cat(cols).to(device)]
+    else:
+        ids, attn, pos = common.batch_sequences([torch.cat(s) for s in batch], pad_id, packing=False)
+        out = model(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=attn.to(device),
+                    use_cache=False)
+        rows = torch.cat([torch.full((len(r),), i) for i, (_, r) in enumerate(batch)])
+        cols = torch.cat([torch.arange(len(p) - 1, len(p) + len(r) - 1) for p, r in batch])
+        logits = out.logits[rows.to(device), cols.to(device)]
+    logp_all = F.log_softmax(logits.float() / args.temperature, -1)  # [sum R, V]
     logp = logp_all.gather(-1, torch.cat([r for _, r in batch]).to(device)[:, None]).squeeze(-1)
     lengths = [len(r) for _, r in batch]
     pad = lambda x: torch.nn.utils.rnn.pad_sequence(x.split(lengths), batch_first=True)  # noqa: E731
@@ -633,7 +674,8 @@ def main():
         stats = {"policy_loss": [], "clip_frac": [], "entropy": []}
         pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True).to(engine.device)  # noqa: E731
         for _ in range(args.max_epochs):
-            order = torch.randperm(len(samples)).tolist()
+            size = args.n_samples_per_prompt  # shuffled by whole groups: micro-batches hold each prompt once
+            order = [g * size + j for g in torch.randperm(len(samples) // size).tolist() for j in range(size)]
             for i in range(0, len(samples), args.micro_train_batch_size):
                 mb = [samples[j] for j in order[i:i + args.micro_train_batch_size]]
                 logp, entropy, mask, aux = response_logprobs(engine, [(s["prompt"], s["response"]) for s in mb], args,

@@ -8,7 +8,7 @@ import torch
 
 import common
 import grpo
-from conftest import RewardServer
+from conftest import RewardServer, script_args
 
 
 # ------------------------------------------------------------------------------------ advantages
@@ -142,6 +142,58 @@ def test_policy_loss_errors():
         grpo.policy_loss(x, x, torch.zeros(2), m, loss_agg_mode="seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="unknown loss_agg_mode"):
         grpo.policy_loss(x, x, torch.zeros(2), m, loss_agg_mode="sum")
+
+
+# ------------------------------------------------------------------------------------ shared prompts
+def test_group_shares_its_prompt_in_the_update(policy, tokenizer):
+    """--packing_samples packs a group's prompt once: the row is shorter by the repeats, and log-probs and
+    their gradients equal each (prompt, response) run alone by the stock model (float64 log-softmax)."""
+    from transformers import AutoModelForCausalLM
+
+    ids = lambda text: torch.tensor(tokenizer(text)["input_ids"])  # noqa: E731
+    x, y = ids("12+34="), ids("7+8=")
+    g = torch.Generator().manual_seed(0)
+    responses = [torch.randint(4, len(tokenizer), (n,), generator=g) for n in (3, 1, 5, 2, 4)]
+    batch = list(zip([x, x, y, x, y], responses))  # x three times, y twice, not adjacent
+    row, _, _ = grpo.pack_groups(batch, share_prompts=True)
+    assert row.size(1) == len(x) + len(y) + sum(len(r) for r in responses)
+    model = AutoModelForCausalLM.from_pretrained(policy, attn_implementation="packed_sdpa")
+    args = script_args(packing_samples=True, temperature=0.7)
+    logp, _, mask, _ = grpo.response_logprobs(model, batch, args, tokenizer.pad_token_id)
+    (logp * mask).sum().backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for i, (p, r) in enumerate(batch):
+        logits = model(torch.cat([p, r])[None]).logits[0, len(p) - 1:-1]
+        ref = torch.log_softmax(logits.double() / 0.7, -1)[torch.arange(len(r)), r]
+        assert mask[i].sum() == len(r)
+        torch.testing.assert_close(logp[i, :len(r)].double(), ref.detach(), atol=1e-5, rtol=0)
+        ref.sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(ours[n], p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_group_shares_its_prompt_prefill_in_generation(policy, eval_file, tokenizer):
+    """HF generate prefills a repeated prompt once: greedy completions equal each prompt's generated alone,
+    and the model embeds fewer tokens to get them."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(policy).eval()
+    shapes = []  # [batch, length] of every forward; a prefill is one with length > 1
+    model.get_input_embeddings().register_forward_hook(lambda m, inp, out: shapes.append(inp[0].shape))
+    prefilled = lambda: sum(b * n for b, n in shapes if n > 1)  # noqa: E731
+    prompts = [torch.tensor(tokenizer(json.loads(line)["input"])["input_ids"]) for line in open(eval_file)][:6]
+    grouped = [p for p in prompts for _ in range(3)]
+    args = script_args(generate_max_len=8, top_p=1.0, zero_stage=0, micro_rollout_batch_size=len(grouped))
+    shared = grpo.generate_hf(model, grouped, args, tokenizer, 0.0)
+    assert prefilled() == len(prompts) * (max(len(p) for p in prompts) - 1)  # once per prompt, left-padded
+    shapes.clear()
+    args.micro_rollout_batch_size = 1  # one prompt per generate call: nothing to share
+    alone = grpo.generate_hf(model, grouped, args, tokenizer, 0.0)
+    assert prefilled() == sum(len(p) for p in grouped)
+    assert [s.tolist() for s in shared] == [a.tolist() for a in alone]
 
 
 # ------------------------------------------------------------------------------------ reward clients

@@ -79,6 +79,40 @@ def test_packed_sdpa_attends_within_each_sequence(toy_world, sequences, tokenize
             torch.testing.assert_close(padded[i, :len(s)], model(input_ids=s[None]).logits[0], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_packed_sdpa_branches_attend_to_their_prefix(toy_world, sequences, kv_heads):
+    """A branch (positions jumping back to p > 0) gives the logits of its sequence's first p tokens followed by
+    the branch, run alone by the stock eager model, and the same gradients; a jump with nothing before it to
+    branch from is an error naming the token."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(toy_world / "model", num_key_value_heads=kv_heads or 4)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    packed_model = AutoModelForCausalLM.from_config(config, attn_implementation="packed_sdpa")
+    packed_model.load_state_dict(model.state_dict())
+    a, b1, b2, c, c1 = sequences[3], sequences[0], sequences[1], sequences[4], sequences[5]
+    # (tokens, first position): a; b1 after a's first 4 tokens; b2 after all 12 of a; c; c1 after c's first 2
+    pieces = [(a, 0), (b1, 4), (b2, 12), (c, 0), (c1, 2)]
+    prefixes = [a[:0], a[:4], a, c[:0], c[:2]]
+    ids = torch.cat([t for t, _ in pieces])[None]
+    pos = torch.cat([torch.arange(p, p + len(t)) for t, p in pieces])[None]
+    packed = packed_model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+    packed.square().mean().backward()
+    alone, offset = 0.0, 0
+    for (t, _), prefix in zip(pieces, prefixes):
+        logits = model(input_ids=torch.cat([prefix, t])[None]).logits[0, len(prefix):]
+        torch.testing.assert_close(packed[offset:offset + len(t)], logits, atol=1e-5, rtol=0)
+        alone = alone + logits.square().sum() / packed.numel()
+        offset += len(t)
+    alone.backward()
+    grads = dict(packed_model.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, atol=1e-6, rtol=1e-4)
+    with pytest.raises(ValueError, match="positions jump to 5 at token 3, but the sequence before it starts with 3"):
+        packed_model(input_ids=ids[:, :6], position_ids=torch.tensor([[0, 1, 2, 5, 6, 7]]), use_cache=False)
+
+
 @torch.no_grad()
 def test_sft_loss_packed_equals_padded(toy_world, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(toy_world / "model").eval()

@@ -178,7 +178,7 @@ def main():
     p.add_argument("--only", default="rm,sft,grpo")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per rm/sft run")
-    p.add_argument("--grpo_steps", type=int, default=5)
+    p.add_argument("--grpo_steps", type=int, default=8)
     args = p.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     ensure_trl_env()

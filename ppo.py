@@ -114,16 +114,31 @@ def left_pad(seqs, pad_id):
 
 @torch.no_grad()
 def generate_hf(model, prompts, args, tokenizer, temperature):
-    """HF generate, one completion per prompt, in chunks of --micro_rollout_batch_size. A completion
-    keeps its EOS and ends there; one that hit --generate_max_len has none."""
+    """HF generate: one completion per prompt (repeat a prompt for more), in chunks of
+    --micro_rollout_batch_size. A prompt repeated in a chunk (a group) is prefilled once, and each repeat
+    starts from a copy of its KV cache. A completion keeps its EOS; one that hit --generate_max_len has none."""
     eos, out = tokenizer.eos_token_id, []
+    synced = args.zero_stage == 3 and dist.get_world_size() > 1  # ZeRO-3: every rank runs every forward
     for i in range(0, len(prompts), args.micro_rollout_batch_size):
-        ids, mask = left_pad(prompts[i:i + args.micro_rollout_batch_size], tokenizer.pad_token_id)
+        chunk = prompts[i:i + args.micro_rollout_batch_size]
+        ids, mask = left_pad(chunk, tokenizer.pad_token_id)
+        keys = [tuple(p.tolist()) for p in chunk]
+        unique = {k: j for j, k in enumerate(dict.fromkeys(keys))}
+        share = len(unique) < len(chunk) and ids.size(1) > 1
+        if synced:
+            share = common.all_reduce_sum([float(share)])[0] == dist.get_world_size()
+        cache = None
+        if share:  # all but the last prompt token (generate starts from it), once per distinct prompt
+            u_ids, u_mask = left_pad([torch.tensor(k) for k in unique], tokenizer.pad_token_id)
+            u_ids, u_mask = u_ids[:, :-1].to(model.device), u_mask[:, :-1].to(model.device)
+            cache = model(input_ids=u_ids, attention_mask=u_mask, position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0),
+                          use_cache=True).past_key_values
+            cache.batch_select_indices(torch.tensor([unique[k] for k in keys], device=model.device))
         sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=0) if temperature > 0 \
             else dict(do_sample=False)
         seqs = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                              max_new_tokens=args.generate_max_len, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_id=eos, synced_gpus=args.zero_stage == 3 and dist.get_world_size() > 1,
+                              past_key_values=cache, max_new_tokens=args.generate_max_len,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, synced_gpus=synced,
                               use_cache=True, **sampling)  # the KV cache, even if the checkpoint's config is off
         for row in seqs[:, ids.size(1):].cpu():
             stop = (row == eos).nonzero()

@@ -4,7 +4,6 @@ gloo); what they save reloads with stock classes and reproduces the numbers the 
 killed after a save resumes where it stopped."""
 import json
 import math
-import os
 import signal
 import subprocess
 import sys

@@ -173,29 +173,6 @@ def test_group_shares_its_prompt_in_the_update(policy, tokenizer):
         torch.testing.assert_close(ours[n], p.grad, atol=1e-5, rtol=1e-4)
 
 
-def test_group_shares_its_prompt_prefill_in_generation(policy, eval_file, tokenizer):
-    """HF generate prefills a repeated prompt once: greedy completions equal each prompt's generated alone,
-    and the model embeds fewer tokens to get them."""
-    import json
-
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(policy).eval()
-    shapes = []  # [batch, length] of every forward; a prefill is one with length > 1
-    model.get_input_embeddings().register_forward_hook(lambda m, inp, out: shapes.append(inp[0].shape))
-    prefilled = lambda: sum(b * n for b, n in shapes if n > 1)  # noqa: E731
-    prompts = [torch.tensor(tokenizer(json.loads(line)["input"])["input_ids"]) for line in open(eval_file)][:6]
-    grouped = [p for p in prompts for _ in range(3)]
-    args = script_args(generate_max_len=8, top_p=1.0, zero_stage=0, micro_rollout_batch_size=len(grouped))
-    shared = grpo.generate_hf(model, grouped, args, tokenizer, 0.0)
-    assert prefilled() == len(prompts) * (max(len(p) for p in prompts) - 1)  # once per prompt, left-padded
-    shapes.clear()
-    args.micro_rollout_batch_size = 1  # one prompt per generate call: nothing to share
-    alone = grpo.generate_hf(model, grouped, args, tokenizer, 0.0)
-    assert prefilled() == sum(len(p) for p in grouped)
-    assert [s.tolist() for s in shared] == [a.tolist() for a in alone]
-
-
 # ------------------------------------------------------------------------------------ reward clients
 def write(tmp_path, name, text):
     path = tmp_path / name

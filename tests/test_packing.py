@@ -47,10 +47,8 @@ def test_packed_and_padded_logits_equal_each_sequence_alone(toy_world, sequences
         offset += len(s)
 
 
-@pytest.mark.parametrize("kv_heads", [None, 2])
-def test_packed_sdpa_attends_within_each_sequence(toy_world, sequences, tokenizer, kv_heads):
-    """common.packed_sdpa (what --packing_samples loads): one sdpa call per packed sequence gives each
-    sequence's logits alone, and their gradients, also with grouped-query attention (2 key/value heads)."""
+def twin_models(toy_world, kv_heads):
+    """The same random weights with the stock eager attention and with common.packed_sdpa."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(toy_world / "model", num_key_value_heads=kv_heads or 4)
@@ -58,43 +56,12 @@ def test_packed_sdpa_attends_within_each_sequence(toy_world, sequences, tokenize
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     packed_model = AutoModelForCausalLM.from_config(config, attn_implementation="packed_sdpa")
     packed_model.load_state_dict(model.state_dict())
-    ids, _, pos = common.batch_sequences(sequences, tokenizer.pad_token_id, packing=True)
-    packed = packed_model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
-    (packed.square().mean()).backward()
-    alone, offset = 0.0, 0
-    for s in sequences:
-        logits = model(input_ids=s[None]).logits[0]
-        torch.testing.assert_close(packed[offset:offset + len(s)], logits, atol=1e-5, rtol=0)
-        alone = alone + logits.square().sum() / packed.numel()
-        offset += len(s)
-    alone.backward()
-    grads = dict(packed_model.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name].grad, p.grad, atol=1e-6, rtol=1e-4)
-    # not a packed row (a padded batch): plain sdpa with the mask
-    ids, mask, pos = common.batch_sequences(sequences, tokenizer.pad_token_id, packing=False)
-    with torch.no_grad():
-        padded = packed_model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-        for i, s in enumerate(sequences):
-            torch.testing.assert_close(padded[i, :len(s)], model(input_ids=s[None]).logits[0], atol=1e-5, rtol=0)
+    return model, packed_model
 
 
-@pytest.mark.parametrize("kv_heads", [None, 2])
-def test_packed_sdpa_branches_attend_to_their_prefix(toy_world, sequences, kv_heads):
-    """A branch (positions jumping back to p > 0) gives the logits of its sequence's first p tokens followed by
-    the branch, run alone by the stock eager model, and the same gradients; a jump with nothing before it to
-    branch from is an error naming the token."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(toy_world / "model", num_key_value_heads=kv_heads or 4)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    packed_model = AutoModelForCausalLM.from_config(config, attn_implementation="packed_sdpa")
-    packed_model.load_state_dict(model.state_dict())
-    a, b1, b2, c, c1 = sequences[3], sequences[0], sequences[1], sequences[4], sequences[5]
-    # (tokens, first position): a; b1 after a's first 4 tokens; b2 after all 12 of a; c; c1 after c's first 2
-    pieces = [(a, 0), (b1, 4), (b2, 12), (c, 0), (c1, 2)]
-    prefixes = [a[:0], a[:4], a, c[:0], c[:2]]
+def assert_packed_row_equals_alone(model, packed_model, pieces, prefixes):
+    """A packed row of `pieces` (tokens, first position) gives, piece by piece, the logits of its prefix then
+    the piece run alone by the eager model, and the same gradients."""
     ids = torch.cat([t for t, _ in pieces])[None]
     pos = torch.cat([torch.arange(p, p + len(t)) for t, p in pieces])[None]
     packed = packed_model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
@@ -109,8 +76,34 @@ def test_packed_sdpa_branches_attend_to_their_prefix(toy_world, sequences, kv_he
     grads = dict(packed_model.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name].grad, p.grad, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_packed_sdpa_attends_within_each_sequence(toy_world, sequences, tokenizer, kv_heads):
+    """common.packed_sdpa (what --packing_samples loads): one sdpa call per packed sequence gives each
+    sequence's logits alone, and their gradients, also with grouped-query attention (2 key/value heads)."""
+    model, packed_model = twin_models(toy_world, kv_heads)
+    assert_packed_row_equals_alone(model, packed_model, [(s, 0) for s in sequences], [s[:0] for s in sequences])
+    # not a packed row (a padded batch): plain sdpa with the mask
+    ids, mask, pos = common.batch_sequences(sequences, tokenizer.pad_token_id, packing=False)
+    with torch.no_grad():
+        padded = packed_model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        for i, s in enumerate(sequences):
+            torch.testing.assert_close(padded[i, :len(s)], model(input_ids=s[None]).logits[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_packed_sdpa_branches_attend_to_their_prefix(toy_world, sequences, kv_heads):
+    """A branch (positions jumping back to p > 0) gives the logits of its sequence's first p tokens followed by
+    the branch, run alone by the stock eager model, and the same gradients; a jump with too short a sequence
+    before it to branch from is an error naming the token."""
+    model, packed_model = twin_models(toy_world, kv_heads)
+    a, b1, b2, c, c1 = sequences[3], sequences[0], sequences[1], sequences[4], sequences[5]
+    # (tokens, first position): a; b1 after a's first 4 tokens; b2 after all 12 of a; c; c1 after c's first 2
+    assert_packed_row_equals_alone(model, packed_model, [(a, 0), (b1, 4), (b2, 12), (c, 0), (c1, 2)],
+                                   [a[:0], a[:4], a, c[:0], c[:2]])
     with pytest.raises(ValueError, match="positions jump to 5 at token 3, but the sequence before it starts with 3"):
-        packed_model(input_ids=ids[:, :6], position_ids=torch.tensor([[0, 1, 2, 5, 6, 7]]), use_cache=False)
+        packed_model(input_ids=a[None, :6], position_ids=torch.tensor([[0, 1, 2, 5, 6, 7]]), use_cache=False)
 
 
 @torch.no_grad()

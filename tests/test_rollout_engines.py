@@ -1,7 +1,8 @@
 """The rollout engines of grpo.py and ppo.py against Hugging Face: vLLM in process and vLLM in a local Ray
 actor give the same greedy completions as HF generate, and after a weight sync the same log-probs as an
 HF forward (and before it, stale ones: the sync is what moves the weights). With LoRA adapters the engine
-gets the merged weights, and its log-probs equal the adapter model's."""
+gets the merged weights, and its log-probs equal the adapter model's. HF generate prefills a repeated prompt
+once."""
 import json
 import subprocess
 import sys
@@ -27,6 +28,32 @@ def test_vllm_engines_match_hf(policy, eval_file, script, backend, lora):
     assert out["ours_padded_diff"] <= 5e-5 and out["ours_packed_diff"] <= 5e-5  # rl.response_logprobs too
     if backend == "vllm":  # the LoRA runs also turn on --enable_prefix_caching; the others pass it off
         assert out["prefix_caching"] is bool(lora)
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_hf_generate_prefills_a_repeated_prompt_once(policy, eval_file, script):
+    """HF generate prefills a prompt repeated in a chunk once: greedy completions equal each prompt's
+    generated alone, and the prefill embeds each distinct prompt once."""
+    import importlib
+
+    from conftest import script_args
+
+    rl = importlib.import_module(script)
+    tok = AutoTokenizer.from_pretrained(policy)
+    model = AutoModelForCausalLM.from_pretrained(policy).eval()
+    shapes = []  # [batch, length] of every forward; a prefill is one with length > 1
+    model.get_input_embeddings().register_forward_hook(lambda m, inp, out: shapes.append(inp[0].shape))
+    prefilled = lambda: sum(b * n for b, n in shapes if n > 1)  # noqa: E731
+    prompts = [torch.tensor(tok(json.loads(line)["input"])["input_ids"]) for line in open(eval_file)][:6]
+    grouped = [p for p in prompts for _ in range(3)]
+    args = script_args(generate_max_len=8, top_p=1.0, zero_stage=0, micro_rollout_batch_size=len(grouped))
+    shared = rl.generate_hf(model, grouped, args, tok, 0.0)
+    assert prefilled() == len(prompts) * (max(len(p) for p in prompts) - 1)  # once per prompt, left-padded
+    shapes.clear()
+    args.micro_rollout_batch_size = 1  # one prompt per generate call: nothing to share
+    alone = rl.generate_hf(model, grouped, args, tok, 0.0)
+    assert prefilled() == sum(len(p) for p in grouped)
+    assert [s.tolist() for s in shared] == [a.tolist() for a in alone]
 
 
 def backend_parity(policy, eval_file, script, backend, lora):

@@ -674,8 +674,7 @@ def main():
         stats = {"policy_loss": [], "clip_frac": [], "entropy": []}
         pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True).to(engine.device)  # noqa: E731
         for _ in range(args.max_epochs):
-            size = args.n_samples_per_prompt  # shuffled by whole groups: micro-batches hold each prompt once
-            order = [g * size + j for g in torch.randperm(len(samples) // size).tolist() for j in range(size)]
+            order = torch.randperm(len(samples)).tolist()
             for i in range(0, len(samples), args.micro_train_batch_size):
                 mb = [samples[j] for j in order[i:i + args.micro_train_batch_size]]
                 logp, entropy, mask, aux = response_logprobs(engine, [(s["prompt"], s["response"]) for s in mb], args,

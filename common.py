@@ -25,6 +25,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import deepspeed  # noqa: E402
 import torch.distributed as dist
 import transformers
+from torch.nn.attention.bias import causal_lower_right
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from rich.console import Console
@@ -271,12 +272,15 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
             head = (k, v)
             outs.append(sdpa(q, k, v, is_causal=True))
             continue
-        if head is None or p > head[0].size(2):
+        if head is None:
+            raise ValueError(f"packed row: positions start at {p} at token {cut}, with no sequence before it")
+        if p > head[0].size(2):
             raise ValueError(f"packed row: positions jump to {p} at token {cut}, but the sequence before it "
-                             f"starts with {0 if head is None else head[0].size(2)} unbranched tokens")
+                             f"starts with {head[0].size(2)} unbranched tokens")
         prefix_k, prefix_v = (x if p == x.size(2) else x[:, :, :p] for x in head)
-        allowed = torch.ones(q.size(2), p + q.size(2), dtype=torch.bool, device=q.device).tril(p)
-        outs.append(sdpa(q, torch.cat([prefix_k, k], 2), torch.cat([prefix_v, v], 2), attn_mask=allowed))
+        # query i sees keys up to p + i: causal, aligned to the bottom right (flash kernels on GPU, GQA too)
+        outs.append(sdpa(q, torch.cat([prefix_k, k], 2), torch.cat([prefix_v, v], 2),
+                         attn_mask=causal_lower_right(q.size(2), p + q.size(2))))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 

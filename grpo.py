@@ -145,7 +145,8 @@ def generate_hf(model, prompts, args, tokenizer, temperature):
         ids, mask = left_pad(chunk, tokenizer.pad_token_id)
         keys = [tuple(p.tolist()) for p in chunk]
         unique = {k: j for j, k in enumerate(dict.fromkeys(keys))}
-        share = len(unique) < len(chunk) and ids.size(1) > 1
+        # (a checkpoint that names its own cache class, e.g. Gemma's hybrid one, is left to generate)
+        share = len(unique) < len(chunk) and ids.size(1) > 1 and model.generation_config.cache_implementation is None
         if synced:
             share = common.all_reduce_sum([float(share)])[0] == dist.get_world_size()
         cache = None
@@ -153,7 +154,7 @@ def generate_hf(model, prompts, args, tokenizer, temperature):
             u_ids, u_mask = left_pad([torch.tensor(k) for k in unique], tokenizer.pad_token_id)
             u_ids, u_mask = u_ids[:, :-1].to(model.device), u_mask[:, :-1].to(model.device)
             cache = model(input_ids=u_ids, attention_mask=u_mask, position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0),
-                          use_cache=True).past_key_values
+                          use_cache=True, logits_to_keep=1).past_key_values  # no [prompts, length, vocab] logits
             cache.batch_select_indices(torch.tensor([unique[k] for k in keys], device=model.device))
         sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=0) if temperature > 0 \
             else dict(do_sample=False)
@@ -333,7 +334,8 @@ def pack_groups(batch, share_prompts):
             r = batch[i][1]
             ids.append(r)
             pos.append(torch.arange(len(prompt), len(prompt) + len(r)))
-            cols[i] = torch.cat([torch.tensor([prompt_end]), torch.arange(length, length + len(r) - 1)])[:len(r)]
+            follows = torch.arange(length, length + max(len(r) - 1, 0))  # each token predicts the next
+            cols[i] = torch.cat([torch.tensor([prompt_end]), follows])[:len(r)]
             length += len(r)
     return torch.cat(ids)[None], torch.cat(pos)[None], cols
 

@@ -146,31 +146,34 @@ def test_policy_loss_errors():
 
 # ------------------------------------------------------------------------------------ shared prompts
 def test_group_shares_its_prompt_in_the_update(policy, tokenizer):
-    """--packing_samples packs a group's prompt once: the row is shorter by the repeats, and log-probs and
-    their gradients equal each (prompt, response) run alone by the stock model (float64 log-softmax)."""
+    """--packing_samples packs a group's prompt once: the row response_logprobs runs is shorter by the
+    repeats, and its log-probs and gradients equal each (prompt, response) run alone by the stock eager
+    model (float64 log-softmax), an empty response included."""
     from transformers import AutoModelForCausalLM
 
     ids = lambda text: torch.tensor(tokenizer(text)["input_ids"])  # noqa: E731
     x, y = ids("12+34="), ids("7+8=")
     g = torch.Generator().manual_seed(0)
-    responses = [torch.randint(4, len(tokenizer), (n,), generator=g) for n in (3, 1, 5, 2, 4)]
-    batch = list(zip([x, x, y, x, y], responses))  # x three times, y twice, not adjacent
-    row, _, _ = grpo.pack_groups(batch, share_prompts=True)
-    assert row.size(1) == len(x) + len(y) + sum(len(r) for r in responses)
+    responses = [torch.randint(4, len(tokenizer), (n,), generator=g) for n in (3, 1, 0, 5, 2, 4)]
+    batch = list(zip([x, x, y, y, x, y], responses))  # x three times, y three (the first empty), interleaved
     model = AutoModelForCausalLM.from_pretrained(policy, attn_implementation="packed_sdpa")
+    rows = []
+    model.get_input_embeddings().register_forward_hook(lambda m, inp, out: rows.append(inp[0].shape))
     args = script_args(packing_samples=True, temperature=0.7)
     logp, _, mask, _ = grpo.response_logprobs(model, batch, args, tokenizer.pad_token_id)
+    assert rows == [(1, len(x) + len(y) + sum(len(r) for r in responses))]
     (logp * mask).sum().backward()
-    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
+    reference = AutoModelForCausalLM.from_pretrained(policy, attn_implementation="eager")
     for i, (p, r) in enumerate(batch):
-        logits = model(torch.cat([p, r])[None]).logits[0, len(p) - 1:-1]
-        ref = torch.log_softmax(logits.double() / 0.7, -1)[torch.arange(len(r)), r]
         assert mask[i].sum() == len(r)
-        torch.testing.assert_close(logp[i, :len(r)].double(), ref.detach(), atol=1e-5, rtol=0)
-        ref.sum().backward()
+        if len(r):
+            logits = reference(torch.cat([p, r])[None]).logits[0, len(p) - 1:-1]
+            ref = torch.log_softmax(logits.double() / 0.7, -1)[torch.arange(len(r)), r]
+            torch.testing.assert_close(logp[i, :len(r)].double(), ref.detach(), atol=1e-5, rtol=0)
+            ref.sum().backward()
+    grads = dict(reference.named_parameters())
     for n, p in model.named_parameters():
-        torch.testing.assert_close(ours[n], p.grad, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(p.grad, grads[n].grad, atol=1e-5, rtol=1e-4)
 
 
 # ------------------------------------------------------------------------------------ reward clients

@@ -104,6 +104,8 @@ def test_packed_sdpa_branches_attend_to_their_prefix(toy_world, sequences, kv_he
                                    [a[:0], a[:4], a, c[:0], c[:2]])
     with pytest.raises(ValueError, match="positions jump to 5 at token 3, but the sequence before it starts with 3"):
         packed_model(input_ids=a[None, :6], position_ids=torch.tensor([[0, 1, 2, 5, 6, 7]]), use_cache=False)
+    with pytest.raises(ValueError, match="positions start at 2 at token 0, with no sequence before it"):
+        packed_model(input_ids=a[None, :3], position_ids=torch.tensor([[2, 3, 4]]), use_cache=False)
 
 
 @torch.no_grad()

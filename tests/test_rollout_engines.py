@@ -30,30 +30,36 @@ def test_vllm_engines_match_hf(policy, eval_file, script, backend, lora):
         assert out["prefix_caching"] is bool(lora)
 
 
-@pytest.mark.parametrize("script", ["grpo", "ppo"])
-def test_hf_generate_prefills_a_repeated_prompt_once(policy, eval_file, script):
+@pytest.mark.parametrize("script, attention", [("grpo", "sdpa"), ("ppo", "sdpa"), ("grpo", "packed_sdpa")])
+def test_hf_generate_prefills_a_repeated_prompt_once(policy, script, attention):
     """HF generate prefills a prompt repeated in a chunk once: greedy completions equal each prompt's
-    generated alone, and the prefill embeds each distinct prompt once."""
+    generated alone, and the prefill embeds each distinct prompt once. Prompts of 1 to 10 tokens, so the
+    shared prefill is left-padded; chunks of several prompts and of one (a single row, which packed_sdpa
+    sees as a packed row)."""
     import importlib
 
     from conftest import script_args
 
     rl = importlib.import_module(script)
     tok = AutoTokenizer.from_pretrained(policy)
-    model = AutoModelForCausalLM.from_pretrained(policy).eval()
+    model = AutoModelForCausalLM.from_pretrained(policy, attn_implementation=attention).eval()
     shapes = []  # [batch, length] of every forward; a prefill is one with length > 1
     model.get_input_embeddings().register_forward_hook(lambda m, inp, out: shapes.append(inp[0].shape))
-    prefilled = lambda: sum(b * n for b, n in shapes if n > 1)  # noqa: E731
-    prompts = [torch.tensor(tok(json.loads(line)["input"])["input_ids"]) for line in open(eval_file)][:6]
+
+    def generate(prompts, chunk):
+        shapes.clear()
+        args = script_args(generate_max_len=8, top_p=1.0, zero_stage=0, micro_rollout_batch_size=chunk)
+        out = [s.tolist() for s in rl.generate_hf(model, prompts, args, tok, 0.0)]
+        return out, sum(b * n for b, n in shapes if n > 1)
+
+    prompts = [torch.tensor(tok(text)["input_ids"]) for text in ["12+34=", "7+", "", "123+4567=", "1+2="]]
     grouped = [p for p in prompts for _ in range(3)]
-    args = script_args(generate_max_len=8, top_p=1.0, zero_stage=0, micro_rollout_batch_size=len(grouped))
-    shared = rl.generate_hf(model, grouped, args, tok, 0.0)
-    assert prefilled() == len(prompts) * (max(len(p) for p in prompts) - 1)  # once per prompt, left-padded
-    shapes.clear()
-    args.micro_rollout_batch_size = 1  # one prompt per generate call: nothing to share
-    alone = rl.generate_hf(model, grouped, args, tok, 0.0)
-    assert prefilled() == sum(len(p) for p in grouped)
-    assert [s.tolist() for s in shared] == [a.tolist() for a in alone]
+    alone, prefilled = generate(grouped, 1)  # one prompt per call: nothing to share
+    assert prefilled == sum(len(p) for p in grouped if len(p) > 1)
+    shared, prefilled = generate(grouped, len(grouped))
+    assert shared == alone and prefilled == len(prompts) * (max(len(p) for p in prompts) - 1)
+    shared, prefilled = generate(grouped, 3)  # each chunk one prompt three times
+    assert shared == alone and prefilled == sum(len(p) - 1 for p in prompts)
 
 
 def backend_parity(policy, eval_file, script, backend, lora):

@@ -260,9 +260,9 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     pos = position_ids[0]
-    cuts = [0] + ((pos[1:] != pos[:-1] + 1).nonzero().flatten() + 1).tolist() + [len(pos)]
-    starts = pos[cuts[:-1]].tolist()
-    lengths = [e - s for s, e in zip(cuts, cuts[1:])]
+    cuts = torch.cat([pos.new_zeros(1), (pos[1:] != pos[:-1] + 1).nonzero().flatten() + 1])
+    cuts, starts = torch.stack([cuts, pos[cuts]]).tolist()  # where each piece starts, and its first position
+    lengths = [e - s for s, e in zip(cuts, cuts[1:] + [len(pos)])]
     sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, dropout_p=dropout, scale=scaling,
                              enable_gqa=key.size(1) != query.size(1))
     outs, head = [], None
@@ -286,6 +286,25 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
 
 transformers.AttentionInterface.register("packed_sdpa", packed_sdpa)
 AttentionMaskInterface.register("packed_sdpa", sdpa_mask)  # the mask sdpa gets, for what is not a packed row
+
+
+@torch.no_grad()
+def shared_prompt_cache(model, ids, mask, synced=False):
+    """For HF generate over a left-padded chunk (ids, mask) in which prompts repeat (a group's samples): the KV
+    cache of all but the last token of each distinct row, computed once and copied to its repeats, or None
+    when nothing repeats. `synced` (ZeRO-3 over several processes): every rank takes the same branch, as it
+    must run the same forwards. A checkpoint naming its own cache class (Gemma's hybrid one) gets None."""
+    rows, index = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
+    share = len(rows) < len(ids) and ids.size(1) > 1 and model.generation_config.cache_implementation is None
+    if synced:
+        share = all_reduce_sum([float(share)])[0] == dist.get_world_size()
+    if not share:
+        return None
+    u_ids, u_mask = rows[:, :ids.size(1) - 1].to(model.device), rows[:, ids.size(1):-1].to(model.device)
+    cache = model(input_ids=u_ids, attention_mask=u_mask, position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0),
+                  use_cache=True, logits_to_keep=1).past_key_values  # no [prompts, length, vocab] logits
+    cache.batch_select_indices(index.to(model.device))
+    return cache
 
 
 def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.AutoModelForCausalLM, trainable=True,

@@ -141,21 +141,8 @@ def generate_hf(model, prompts, args, tokenizer, temperature):
     eos, out = tokenizer.eos_token_id, []
     synced = args.zero_stage == 3 and dist.get_world_size() > 1  # ZeRO-3: every rank runs every forward
     for i in range(0, len(prompts), args.micro_rollout_batch_size):
-        chunk = prompts[i:i + args.micro_rollout_batch_size]
-        ids, mask = left_pad(chunk, tokenizer.pad_token_id)
-        keys = [tuple(p.tolist()) for p in chunk]
-        unique = {k: j for j, k in enumerate(dict.fromkeys(keys))}
-        # (a checkpoint that names its own cache class, e.g. Gemma's hybrid one, is left to generate)
-        share = len(unique) < len(chunk) and ids.size(1) > 1 and model.generation_config.cache_implementation is None
-        if synced:
-            share = common.all_reduce_sum([float(share)])[0] == dist.get_world_size()
-        cache = None
-        if share:  # all but the last prompt token (generate starts from it), once per distinct prompt
-            u_ids, u_mask = left_pad([torch.tensor(k) for k in unique], tokenizer.pad_token_id)
-            u_ids, u_mask = u_ids[:, :-1].to(model.device), u_mask[:, :-1].to(model.device)
-            cache = model(input_ids=u_ids, attention_mask=u_mask, position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0),
-                          use_cache=True, logits_to_keep=1).past_key_values  # no [prompts, length, vocab] logits
-            cache.batch_select_indices(torch.tensor([unique[k] for k in keys], device=model.device))
+        ids, mask = left_pad(prompts[i:i + args.micro_rollout_batch_size], tokenizer.pad_token_id)
+        cache = common.shared_prompt_cache(model, ids, mask, synced)  # a group's prompt is prefilled once
         sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=0) if temperature > 0 \
             else dict(do_sample=False)
         seqs = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),

@@ -12,7 +12,9 @@ prints a table and writes bench/results/trl.json.
 - Rounds alternate ours and theirs (A B A B) so machine drift hits both alike. Throughput is measured over
   optimizer steps 2..N (the first carries one-off start-up costs in both), from the wall time at the end of
   each step: ours from its TensorBoard events, TRL's from a TrainerCallback.
-- FLOP/s: 6 x parameters x real tokens per second (training), over the matmul FLOP/s measured here first.
+- FLOP/s: 6 x parameters x real tokens per second (training), over the matmul FLOP/s measured here first. GRPO
+  counts the work a step cannot avoid: 8 x parameters (2 to generate, 6 to train) per distinct token, each
+  prompt once (its n samples share it) plus every completion, at each run's own completion lengths (both sample).
 """
 import argparse
 import json
@@ -33,7 +35,7 @@ WORK = ROOT / "bench" / ".cache" / "trl_bench"
 THEIRS = ["trl==1.16.0", "transformers==5.23.0", "accelerate==1.15.0", "datasets==5.2.0", "tokenizers==0.23.3",
           "safetensors==0.8.0"]
 TORCH = "torch==2.13.0"
-SEED, THREADS, LR = 0, 2, 1e-5
+SEED, THREADS, LR, GRPO_N = 0, 2, 1e-5, 4
 REWARD = ROOT / "bench" / "digit_reward.py"
 
 
@@ -140,9 +142,9 @@ def ours(task, model_dir, data, steps, batch, variant=""):
              "--max_norm", 1.0, "--seed", SEED, "--logging_steps", 1, "--use_tensorboard", tb, "--save_path", run,
              "--max_len", 512]
     if task == "grpo":
-        flags += ["--remote_rm_url", REWARD, "--n_samples_per_prompt", 4, "--rollout_batch_size", batch,
-                  "--train_batch_size", batch * 4, "--micro_train_batch_size", batch * 4,
-                  "--micro_rollout_batch_size", batch * 4, "--generate_max_len", 32, "--prompt_max_len", 512,
+        flags += ["--remote_rm_url", REWARD, "--n_samples_per_prompt", GRPO_N, "--rollout_batch_size", batch,
+                  "--train_batch_size", batch * GRPO_N, "--micro_train_batch_size", batch * GRPO_N,
+                  "--micro_rollout_batch_size", batch * GRPO_N, "--generate_max_len", 32, "--prompt_max_len", 512,
                   "--max_samples", batch * steps, "--temperature", 1.0, "--packing_samples"]
         flags += ["--vllm"] if variant == "_vllm" else []
     else:
@@ -153,7 +155,10 @@ def ours(task, model_dir, data, steps, batch, variant=""):
                    env={"OMP_NUM_THREADS": str(THREADS), "HF_HUB_OFFLINE": "1"})
     loss_tag = "train/policy_loss" if task == "grpo" else "train/loss"
     events = tb_events(tb, loss_tag)
-    return {"times": [e.wall_time for e in events], "loss": events[-1].value, "peak_rss_mb": rss}
+    out = {"times": [e.wall_time for e in events], "loss": events[-1].value, "peak_rss_mb": rss}
+    if task == "grpo":
+        out["completion_lens"] = [e.value for e in tb_events(tb, "train/response_len")]
+    return out
 
 
 def theirs(task, model_dir, data, steps, batch):
@@ -161,11 +166,12 @@ def theirs(task, model_dir, data, steps, batch):
     cfg = WORK / f"theirs_{task}_config.json"
     cfg.write_text(json.dumps({"task": task, "model": str(model_dir), "data": str(data), "out": str(out),
                                "work": str(WORK / f"theirs_{task}"), "steps": steps, "batch": batch, "lr": LR,
-                               "seed": SEED, "threads": THREADS, "max_len": 512, "n": 4, "gen_len": 32}))
+                               "seed": SEED, "threads": THREADS, "max_len": 512, "n": GRPO_N, "gen_len": 32}))
     _, rss = timed([SIDE / "bin" / "python", ROOT / "bench" / "trl_runner.py", cfg],
                    env={"OMP_NUM_THREADS": str(THREADS), "HF_HUB_OFFLINE": "1"})
     res = json.loads(out.read_text())
-    return {"times": res["step_end_times"], "loss": res["losses"][-1], "peak_rss_mb": rss}
+    return {"times": res["step_end_times"], "loss": res["losses"][-1], "peak_rss_mb": rss,
+            "completion_lens": res["completion_lens"]}
 
 
 def steady(times):
@@ -196,6 +202,12 @@ def main():
             return sum(count(r["prompt"] + r["completion"]) for r in rows)
         return sum(count(r["prompt"] + r["chosen"]) + count(r["prompt"] + r["rejected"]) for r in rows)
 
+    def grpo_tokens_per_step(rows, run):
+        """Distinct tokens of one step: each prompt once, plus its n completions at the mean length that run
+        sampled over the timed steps 2..N."""
+        prompt = sum(len(tok(r["prompt"])["input_ids"]) for r in rows) / len(rows)
+        return batch["grpo"] * (prompt + GRPO_N * statistics.mean(run["completion_lens"][1:]))
+
     batch = {"rm": 4, "sft": 8, "grpo": 4}
     table, report = [], {"machine": f"{os.cpu_count()} CPU cores, {THREADS} threads", "params": n_params,
                          "matmul_flops": peak, "runs": {}}
@@ -206,6 +218,7 @@ def main():
         subset = WORK / f"{task}_{len(rows)}.jsonl"  # both sides get exactly these rows: one epoch of N steps
         subset.write_text("".join(json.dumps(r) + "\n" for r in rows))
         per_step = real_tokens(task, rows) / steps if task != "grpo" else None
+        flops_per_token = 8 * n_params if task == "grpo" else 6 * n_params  # GRPO: generate (2N) + update (6N)
         results = {f"ours{v}": [] for v in variants} | {"trl": []}
         for k in range(args.repeats):
             order = list(results) if k % 2 == 0 else list(results)[::-1]  # A B A B: drift hits both alike
@@ -223,10 +236,10 @@ def main():
             row = {"task": task, "who": name, "s_per_step": statistics.median(s), "min": min(s), "max": max(s),
                    "loss": statistics.median(r["loss"] for r in runs),
                    "rss": max(r["peak_rss_mb"] for r in runs), "ratio": trl_s / statistics.median(s)}
-            if per_step:
-                row["tokens_per_s"] = per_step / row["s_per_step"]
-                row["units_per_s"] = batch[task] / row["s_per_step"]
-                row["mfu"] = 6 * n_params * row["tokens_per_s"] / peak
+            tokens = per_step or statistics.median(grpo_tokens_per_step(rows, r) for r in runs)
+            row["tokens_per_s"] = tokens / row["s_per_step"]
+            row["units_per_s"] = batch[task] * (GRPO_N if task == "grpo" else 1) / row["s_per_step"]
+            row["mfu"] = flops_per_token * row["tokens_per_s"] / peak
             table.append(row)
     print("\n| work | who | s/step median (min-max) | tokens/s | pairs or samples/s | ours/TRL speed | "
           "FLOP/s / matmul limit | loss after N steps | peak RSS MB |")

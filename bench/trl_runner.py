@@ -14,10 +14,11 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 
 class StepTimer(TrainerCallback):
-    """Wall time at the end of every optimizer step, and the loss TRL logs for it."""
+    """Wall time at the end of every optimizer step, and the loss (and GRPO's mean completion length, in tokens)
+    TRL logs for it."""
 
     def __init__(self):
-        self.times, self.losses = [], []
+        self.times, self.losses, self.completion_lens = [], [], []
 
     def on_step_end(self, args, state, control, **kwargs):
         self.times.append(time.time())
@@ -25,6 +26,8 @@ class StepTimer(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses.append(logs["loss"])
+        if logs and "completions/mean_length" in logs:
+            self.completion_lens.append(logs["completions/mean_length"])
 
 
 def digit_share(completions, **kwargs):
@@ -70,7 +73,7 @@ def main():
                                   top_p=1.0, beta=0.0, loss_type="dapo", scale_rewards="group", num_iterations=1,
                                   use_vllm=False, **common))
     trainer.train()
-    out = {"step_end_times": timer.times, "losses": timer.losses,
+    out = {"step_end_times": timer.times, "losses": timer.losses, "completion_lens": timer.completion_lens,
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     open(cfg["out"], "w").write(json.dumps(out))
 

@@ -4,6 +4,7 @@ Nothing here is an algorithm: losses, value heads and rollouts live in the scrip
 """
 
 import argparse
+import ctypes
 import functools
 import json
 import math
@@ -154,11 +155,26 @@ def init_distributed(args):
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-    elif "OMP_NUM_THREADS" not in os.environ:  # the deepspeed launcher leaves every rank all cores
-        per_rank = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_rank))
+    else:
+        keep_freed_memory()
+        if "OMP_NUM_THREADS" not in os.environ:  # the deepspeed launcher leaves every rank all cores
+            per_rank = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_rank))
     set_seed(args.seed)
     return dist.get_rank(), dist.get_world_size()
+
+
+def keep_freed_memory():
+    """CPU training frees and re-allocates the same activation sizes every step. By default glibc gives freed
+    blocks over 128 KB back to the kernel, and the next step page-faults them in again (7x the page faults of a
+    toy SFT run; 3% of the bench's SFT step). Keep them for reuse instead, as jemalloc or tcmalloc would. The
+    peak RSS hardly moves: every step reaches it anyway."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl): nothing to tune
+        return
+    libc.mallopt(-1, -1)  # M_TRIM_THRESHOLD: never hand the heap's free top back
+    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MB (glibc's most) come from the reusable heap
 
 
 def set_seed(seed):

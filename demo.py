@@ -8,7 +8,7 @@ Stages run as plain commands (shown as they start), each from the previous stage
     python sft.py --dataset toy_world/steps_train.jsonl ... -> runs/sft_steps   a policy that writes
                                                             running sums step by step (exact match)
     python prm.py --pretrain runs/sft_steps -> runs/prm     held-out step accuracy of the judge
-    python sft.py --max_epochs 4 ...    -> runs/sft_short   a weaker addition policy (~33%) for RL to improve
+    python sft.py --max_epochs 4 ...    -> runs/sft_short   a weaker addition policy (33-51%) for RL to improve
     python grpo.py --pretrain runs/sft_short [--vllm] -> runs/grpo, runs/grpo_vllm
                                                             held-out accuracy before -> after, s/step
     python ppo.py --pretrain runs/sft_short --reward_pretrain runs/rm --normalize_reward [--vllm | --ray]

@@ -9,6 +9,7 @@ prints a table and writes bench/results/trl.json.
 - Same model for both: a random-init Llama of about 20M parameters with the toy tokenizer; same data:
   toy-world addition records chained into sequences of 32-512 tokens (log-uniform lengths); same batch
   size, precision (fp32), max length, optimizer (AdamW, constant lr, no weight decay, clip 1.0) and steps.
+- Both sides run with the same glibc allocator setting (freed memory kept for reuse; see SAME_MALLOC).
 - Rounds alternate ours and theirs (A B A B) so machine drift hits both alike. Throughput is measured over
   optimizer steps 2..N (the first carries one-off start-up costs in both), from the wall time at the end of
   each step: ours from its TensorBoard events, TRL's from a TrainerCallback.
@@ -37,6 +38,9 @@ THEIRS = ["trl==1.16.0", "transformers==5.23.0", "accelerate==1.15.0", "datasets
 TORCH = "torch==2.13.0"
 SEED, THREADS, LR, GRPO_N = 0, 2, 1e-5, 4
 REWARD = ROOT / "bench" / "digit_reward.py"
+# Our scripts keep freed memory for reuse on CPU (common.keep_freed_memory); TRL gets the same glibc setting
+# through the environment, so neither side gains from the allocator.
+SAME_MALLOC = {"MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
 
 
 def ensure_trl_env():
@@ -168,7 +172,7 @@ def theirs(task, model_dir, data, steps, batch):
                                "work": str(WORK / f"theirs_{task}"), "steps": steps, "batch": batch, "lr": LR,
                                "seed": SEED, "threads": THREADS, "max_len": 512, "n": GRPO_N, "gen_len": 32}))
     _, rss = timed([SIDE / "bin" / "python", ROOT / "bench" / "trl_runner.py", cfg],
-                   env={"OMP_NUM_THREADS": str(THREADS), "HF_HUB_OFFLINE": "1"})
+                   env={"OMP_NUM_THREADS": str(THREADS), "HF_HUB_OFFLINE": "1", **SAME_MALLOC})
     res = json.loads(out.read_text())
     return {"times": res["step_end_times"], "loss": res["losses"][-1], "peak_rss_mb": rss,
             "completion_lens": res["completion_lens"]}

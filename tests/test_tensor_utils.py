@@ -2,14 +2,12 @@
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import common
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT
 
 
 def test_masked_mean_matches_loop_over_kept_entries():

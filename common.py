@@ -114,6 +114,7 @@ def parse_args(parser, toy_defaults):
         root = toy.ensure_toy_world()
         parser.set_defaults(pretrain=str(root / "model"), **(toy_defaults(root) if args.dataset is None else {}))
         args = parser.parse_args()
+    warn_if_slow_bf16(args)
     if args.ds_tensor_parallel_size != 1:
         fail("--ds_tensor_parallel_size > 1 (DeepSpeed AutoTP) is not supported: our data split and saving "
              "assume every rank holds whole layers; use --zero_stage 3 to shard a model that does not fit")
@@ -241,6 +242,37 @@ def setup_deepspeed(model, args, config, num_training_steps):
 
 
 # ------------------------------------------------------------------------------------- model loading
+def cpu_has_native_bf16(cpuinfo="/proc/cpuinfo"):
+    """Whether this CPU multiplies bf16 in hardware (x86 avx512_bf16 or AMX, Arm's bf16). Without it PyTorch
+    emulates bf16 matmul: on an AVX2-only EPYC 1 GFLOP/s against 160 for fp32."""
+    try:
+        cpuinfo = Path(cpuinfo).read_text()
+    except OSError:  # not Linux: ask oneDNN
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    flags = {f for line in cpuinfo.splitlines() if line.startswith(("flags", "Features")) for f in line.split()}
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def warn_if_slow_bf16(args):
+    """--bf16 on a CPU that emulates it: say what it costs here (one line) and keep bf16, as asked."""
+    if not getattr(args, "bf16", False) or torch.cuda.is_available() or cpu_has_native_bf16() or not is_rank0():
+        return
+    import time
+
+    speed = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(256, 256, dtype=dtype)
+        x @ x  # warm up
+        t0 = time.perf_counter()
+        for _ in range(3):
+            x @ x
+        speed[dtype] = 3 * 2 * 256**3 / (time.perf_counter() - t0) / 1e9
+    console.print(f"warning: --bf16 on a CPU without native bf16 matmul (no avx512_bf16/amx_bf16): bf16 matmul "
+                  f"ran at {speed[torch.bfloat16]:.1f} GFLOP/s here against {speed[torch.float32]:.0f} for fp32 "
+                  f"({speed[torch.float32] / speed[torch.bfloat16]:.1f}x the time); drop --bf16 to run in fp32",
+                  markup=False)
+
+
 _hf_ds_config = None  # must outlive from_pretrained so ZeRO-3 loads partitioned weights
 
 

@@ -330,6 +330,7 @@ def main():
     args = p.parse_args()
     args.gradient_checkpointing = args.use_liger_kernel = False
     args.max_batch_tokens = args.max_batch_tokens or (16384 if torch.cuda.is_available() else 2048)
+    common.warn_if_slow_bf16(args)
     uvicorn.run(create_app(args), host=args.host, port=args.port, log_level="warning",
                 access_log=args.log_requests, timeout_graceful_shutdown=30)
 

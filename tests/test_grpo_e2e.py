@@ -111,6 +111,13 @@ def test_on_policy_update_skips_the_old_logprob_forward(policy, tmp_path):
     run_script("grpo.py", *flags, "--save_path", tmp_path / "shortcut")
     run_script("grpo.py", *flags, "--init_kl_coef", 1e-12, "--save_path", tmp_path / "explicit")
     before, a, b = weights(policy), weights(tmp_path / "shortcut"), weights(tmp_path / "explicit")
-    moved = max((a[k] - before[k]).abs().max().item() for k in before)
-    assert moved > 1e-4
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 0.01 * moved
+    # Compared as norms over all weights, not coordinate by coordinate. Adam moves each coordinate by about
+    # lr * sign(gradient), and group-normalised advantages sum to zero, so some coordinates' gradients cancel
+    # to float32 rounding: there the two runs' float32 rounding (a separate forward gives old log-probs that
+    # differ by ~1e-7) picks the sign, and a single coordinate can differ by a few lr on one CPU and not on
+    # another. Over ~1M coordinates that is a tiny share of the norm; a different update (wrong or stale old
+    # log-probs, a ratio whose gradient is lost) moves most coordinates differently, about the whole norm.
+    moved = sum((a[k] - before[k]).double().pow(2).sum() for k in a).sqrt().item()
+    apart = sum((a[k] - b[k]).double().pow(2).sum() for k in a).sqrt().item()
+    assert moved > 1e-3
+    assert apart < 0.01 * moved  # measured 1.8e-5 * moved

@@ -328,3 +328,34 @@ def test_tokenizer_chat_template_replaces_the_tokenizers(toy_world, tmp_path):
         assert tok.apply_chat_template(messages, tokenize=False) == "[user]1+1="
     stock = common.load_tokenizer(toy_world / "model", script_args())
     assert stock.apply_chat_template(messages, tokenize=False) != "[user]1+1="
+
+
+def test_bf16_on_a_cpu_that_emulates_it_warns_once_with_its_cost(monkeypatch, capsys, tmp_path):
+    """--bf16 on a CPU without bf16 matmul instructions (AVX2 only: ~100x slower than fp32) gets one warning line
+    from every script (common.parse_args) and from serve_rm, with the measured cost; bf16 stays on, as asked."""
+    import argparse
+
+    import serve_rm
+
+    cpuinfo = tmp_path / "cpuinfo"
+    for flags, native in [("flags\t\t: fpu sse2 avx avx2 fma", False), ("flags\t\t: avx2 avx512f avx512_bf16", True),
+                          ("flags\t\t: avx2 amx_bf16 amx_tile", True), ("Features\t: fp asimd bf16 i8mm", True)]:
+        cpuinfo.write_text(f"processor\t: 0\n{flags}\n")
+        assert common.cpu_has_native_bf16(cpuinfo) is native
+
+    def warnings(native, argv, entry):
+        monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: native)
+        monkeypatch.setattr(sys, "argv", ["x", *argv])
+        capsys.readouterr()
+        entry()
+        return [line for line in capsys.readouterr().err.splitlines() if "bf16" in line]
+
+    monkeypatch.setattr(serve_rm.uvicorn, "run", lambda *a, **k: None)  # main() up to the server start
+    script = ["--pretrain", "m", "--dataset", "d.jsonl", "--save_path", str(tmp_path / "out")]
+    entries = {"scripts": (script, lambda: common.parse_args(common.add_common_args(argparse.ArgumentParser()),
+                                                              lambda root: {})),
+               "serve_rm": (["--reward_pretrain", "m"], serve_rm.main)}
+    for name, (argv, entry) in entries.items():
+        lines = warnings(False, argv + ["--bf16"], entry)
+        assert len(lines) == 1 and "GFLOP/s" in lines[0] and "drop --bf16 to run in fp32" in lines[0], (name, lines)
+        assert warnings(True, argv + ["--bf16"], entry) == [] and warnings(False, argv, entry) == [], name

@@ -22,7 +22,7 @@ def test_vllm_engines_match_hf(policy, eval_file, script, backend, lora):
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["greedy_equal"] == out["prompts"] == 64
+    assert out["prompts"] == 64 and out["greedy_equal"] >= 62 and out["tie_margin"] <= 1e-4
     assert out["stale_logprob_diff"] > 1e-2  # the engine really had the old weights before the sync
     assert out["logprob_diff"] <= 1e-4  # the engine's log-probs after the sync vs a plain HF forward, fp32
     assert out["ours_padded_diff"] <= 5e-5 and out["ours_packed_diff"] <= 5e-5  # rl.response_logprobs too
@@ -98,13 +98,25 @@ def backend_parity(policy, eval_file, script, backend, lora):
         sync = lambda: rl.sync_ray_engines(engines, group, model, args)  # noqa: E731
         generate = lambda *a: rl.generate_ray(engines, prompts, args, eos, *a)  # noqa: E731
     sync()
-    greedy_equal = sum(a.tolist() == b.tolist()
-                       for a, b in zip(generate(0.0), rl.generate_hf(model, prompts, args, tok, 0.0)))
 
     @torch.no_grad()
     def hf_logprobs(p, r):  # a plain forward of one sequence: the reference
         logp = torch.log_softmax(model(torch.cat([p, r])[None]).logits[0].double(), -1)
         return logp[torch.arange(len(p) - 1, len(p) + len(r) - 1), r]
+
+    # Greedy completions are equal, or part where HF's two best tokens are a near-tie: the engine's logits
+    # and HF's differ by float32 rounding (~1e-5 here), which may pick either of two tokens that close.
+    greedy_equal, tie_margin = 0, 0.0
+    for p, a, b in zip(prompts, generate(0.0), rl.generate_hf(model, prompts, args, tok, 0.0)):
+        a, b = a.tolist(), b.tolist()
+        if a == b:
+            greedy_equal += 1
+            continue
+        t = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        with torch.no_grad():
+            logits = model(torch.cat([p, torch.tensor(b[:t], dtype=p.dtype)])[None]).logits[0, -1].double()
+        chosen = a[t] if t < len(a) else eos  # the engine's token (or its stop) where HF went elsewhere
+        tie_margin = max(tie_margin, (logits.max() - logits[chosen]).item())
 
     def max_diff():
         tokens, logprobs = generate(1.0, True)
@@ -125,7 +137,8 @@ def backend_parity(policy, eval_file, script, backend, lora):
             logp, _, mask, _ = rl.response_logprobs(model, list(zip(prompts, responses)), args, tok.pad_token_id)
         ours[packing] = max((logp[i][mask[i]].double() - hf_logprobs(p, r)).abs().max().item()
                             for i, (p, r) in enumerate(zip(prompts, responses)))
-    print(json.dumps({"prompts": len(prompts), "greedy_equal": greedy_equal, "stale_logprob_diff": stale,
+    print(json.dumps({"prompts": len(prompts), "greedy_equal": greedy_equal, "tie_margin": tie_margin,
+                      "stale_logprob_diff": stale,
                       "logprob_diff": fresh, "ours_padded_diff": ours[False], "ours_packed_diff": ours[True],
                       "prefix_caching": prefix_caching}))
 

@@ -164,7 +164,9 @@ def test_causal_lm_token_and_prm(models):
         logits = lm(ids).logits[0]
         want = torch.softmax(logits[ids[0] == placeholder][:, reward_ids], -1)[:, 0].tolist()
         assert len(steps) == len(want) and all(abs(a - b) <= 1e-5 for a, b in zip(steps, want))
-        assert reward == (min(want) if want else 0.0)
+        # the reward is the server's own steps reduced (exactly), and so within the steps' tolerance of the
+        # offline minimum: a batched forward and a single one round differently in float32 (~1e-7 here)
+        assert reward == (min(steps) if steps else 0.0) and abs(reward - (min(want) if want else 0.0)) <= 1e-5
 
 
 def malformed_bodies(rng, n):

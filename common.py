@@ -4,6 +4,7 @@ Nothing here is an algorithm: losses, value heads and rollouts live in the scrip
 """
 
 import argparse
+import contextlib
 import ctypes
 import functools
 import json
@@ -286,6 +287,8 @@ def load_tokenizer(path, args):
     if template:
         tokenizer.chat_template = Path(template).read_text() if len(template) < 4096 and os.path.isfile(template) \
             else template
+    if getattr(args, "apply_chat_template", False):
+        use_turn_end_as_eos(tokenizer, path)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         # HF sequence classifiers find the scored token by pad id: pad must differ from the appended eos.
         if tokenizer.unk_token_id is not None and tokenizer.unk_token_id != tokenizer.eos_token_id:
@@ -293,6 +296,39 @@ def load_tokenizer(path, args):
         else:
             tokenizer.add_special_tokens({"pad_token": "<pad>"})
     return tokenizer
+
+
+def chat_turn_end(tokenizer):
+    """The special token the chat template writes right after an assistant reply (<|im_end|>, <|eot_id|>,
+    </s>), or None when it writes none. Found by rendering a short conversation."""
+    reply = "Sure: 42."
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}],
+                                         tokenize=False)
+    if reply not in text:
+        return None
+    tail = tokenizer(text[text.rindex(reply) + len(reply):], add_special_tokens=False)["input_ids"]
+    specials = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special} | set(tokenizer.all_special_ids)
+    return next((tokenizer.convert_ids_to_tokens(i) for i in tail if i in specials), None)
+
+
+def use_turn_end_as_eos(tokenizer, path):
+    """With --apply_chat_template the stop token is the one the template ends an assistant turn with, as in
+    chat models. A base checkpoint's eos often differs (Qwen2.5 base: eos <|endoftext|>, turns end with
+    <|im_end|>): SFT would then train one token and generation wait for another, so every rollout ran to
+    --generate_max_len. The tokenizer's eos becomes the template's turn end (saved with the model, so rm.py,
+    the RL scripts and serve_rm read rewards at the same token)."""
+    if not tokenizer.chat_template:
+        fail(f"--apply_chat_template: the tokenizer of {path} has no chat template; pass one with "
+             "--tokenizer_chat_template or drop --apply_chat_template")
+    end = chat_turn_end(tokenizer)
+    if end is None:
+        fail(f"--apply_chat_template: the chat template of {path} writes no special token after an assistant "
+             "reply, so a policy would never learn where to stop; use a template that ends turns with one")
+    if end != tokenizer.eos_token:
+        if is_rank0():
+            console.print(f"the chat template ends assistant turns with {end!r}, not eos {tokenizer.eos_token!r}: "
+                          f"{end!r} is the stop token (eos) for training, generation and rewards", markup=False)
+        tokenizer.eos_token = end
 
 
 def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None, **kwargs):
@@ -334,6 +370,21 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
 
 transformers.AttentionInterface.register("packed_sdpa", packed_sdpa)
 AttentionMaskInterface.register("packed_sdpa", sdpa_mask)  # the mask sdpa gets, for what is not a packed row
+
+
+@contextlib.contextmanager
+def sampling_as_asked(model):
+    """generate() takes every field a call leaves unset from the checkpoint's generation_config.json, even
+    when it is passed a GenerationConfig of its own: Qwen2.5-Instruct's repetition penalty (1.05), top_k (20),
+    and so on would reshape every sampling step, and samples would not come from the distribution the loss
+    assumes (nor match vLLM's). Inside this block the model's config is blank but for how it caches, so
+    generate() samples exactly as the call asks; the checkpoint keeps its own config for saving."""
+    saved = model.generation_config
+    model.generation_config = transformers.GenerationConfig(cache_implementation=saved.cache_implementation)
+    try:
+        yield
+    finally:
+        model.generation_config = saved
 
 
 @torch.no_grad()

@@ -145,10 +145,11 @@ def generate_hf(model, prompts, args, tokenizer, temperature):
         cache = common.shared_prompt_cache(model, ids, mask, synced)  # a group's prompt is prefilled once
         sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=0) if temperature > 0 \
             else dict(do_sample=False)
-        seqs = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                              past_key_values=cache, max_new_tokens=args.generate_max_len,
-                              pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, synced_gpus=synced,
-                              use_cache=True, **sampling)  # the KV cache, even if the checkpoint's config is off
+        with common.sampling_as_asked(model):  # nothing from the checkpoint's generation_config.json
+            seqs = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                  past_key_values=cache, max_new_tokens=args.generate_max_len,
+                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, synced_gpus=synced,
+                                  use_cache=True, **sampling)
         for row in seqs[:, ids.size(1):].cpu():
             stop = (row == eos).nonzero()
             out.append(row[:stop[0, 0] + 1] if len(stop) else row)  # after EOS come pads
@@ -192,9 +193,11 @@ def generate_vllm(llm, prompts, args, eos_id, temperature, with_logprobs=False):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    # ignore_eos: stop at eos_id only, not also at the eos ids of the checkpoint's tokenizer and
+    # generation_config.json (vLLM adds those), exactly as generate_hf stops
     params = SamplingParams(temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0,
-                            max_tokens=args.generate_max_len, stop_token_ids=[eos_id], detokenize=False,
-                            logprobs=0 if with_logprobs else None)
+                            max_tokens=args.generate_max_len, stop_token_ids=[eos_id], ignore_eos=True,
+                            detokenize=False, logprobs=0 if with_logprobs else None)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts], params, use_tqdm=False)
     tokens = [torch.tensor(o.outputs[0].token_ids, dtype=torch.long) for o in outputs]
     if not with_logprobs:

@@ -7,7 +7,8 @@
 
 Data: `input` is the solution text with a placeholder token after every step; `label` is a list with
 one entry per placeholder: a reward token ("+" good, "-" bad; hard labels) or a float, the probability
-that the step is good (soft labels, e.g. from Monte-Carlo rollouts). The loss is read only at the
+that the step is good (soft labels, e.g. from Monte-Carlo rollouts); or, as in raw Math-Shepherd rows, a
+string: the input with each placeholder replaced by its reward token. The loss is read only at the
 placeholders, over the reward tokens' logits: the model, at the end of a step, predicts "+" or "-".
 The output is a plain Hugging Face causal LM whose config also names the placeholder and reward tokens.
 """
@@ -47,16 +48,65 @@ def prm_loss(logits, input_ids, labels, placeholder_token_id, reward_token_ids):
 
 
 def setup_tokens(tokenizer, placeholder, reward_tokens):
-    """The placeholder must be one token (added to the vocabulary if it is not); each reward token too."""
-    if len(tokenizer(placeholder, add_special_tokens=False)["input_ids"]) != 1:
-        tokenizer.add_tokens([placeholder])
+    """-> (placeholder id, reward token ids). Tokens are looked up by encoding text, never by their surface
+    string (a byte-level vocabulary stores "ки" as "ÐºÐ¸"). The placeholder must come out as one and the same
+    token wherever a step ends (after a space, a word or a newline); where the tokenizer would merge it with
+    its neighbours (Qwen: " ки" is two tokens, neither of them "ки"), it is added to the vocabulary as a token
+    of its own. Each reward token must be one token."""
+    from tokenizers import AddedToken
+
+    def one_token_everywhere():
+        ids = tokenizer(placeholder, add_special_tokens=False)["input_ids"]
+        contexts = [f"x {placeholder}\ny", f"x{placeholder} y", f"1.\n{placeholder}", f"x  {placeholder}"]
+        ok = len(ids) == 1 and all(tokenizer(c, add_special_tokens=False)["input_ids"].count(ids[0]) == 1
+                                   for c in contexts)
+        return ids[0] if ok else None
+
+    placeholder_id = one_token_everywhere()
+    if placeholder_id is None:
+        tokenizer.add_tokens([AddedToken(placeholder, normalized=False)])
+        placeholder_id = one_token_everywhere()
+    if placeholder_id is None:
+        common.fail(f"--placeholder_token {placeholder!r} does not come out as one token of this tokenizer even "
+                    f"after adding it to the vocabulary ({type(tokenizer).__name__}); choose another placeholder")
     reward_ids = []
     for token in reward_tokens:
         ids = tokenizer(token, add_special_tokens=False)["input_ids"]
-        if len(ids) != 1:
-            common.fail(f"reward token {token!r} is {len(ids)} tokens for this tokenizer; it must be one")
+        if len(ids) != 1:  # a sentencepiece vocabulary may prefix "▁" to a lone token: try the token itself
+            ids = [tokenizer.convert_tokens_to_ids(token)]
+            if ids[0] in (None, tokenizer.unk_token_id):
+                common.fail(f"reward token {token!r} is {len(tokenizer(token, add_special_tokens=False)['input_ids'])} "
+                            f"tokens for this tokenizer; it must be one")
         reward_ids.append(ids[0])
-    return tokenizer.convert_tokens_to_ids(placeholder), reward_ids
+    return placeholder_id, reward_ids
+
+
+def step_labels(record, where, args):
+    """The label of each step: a list (reward tokens or probabilities), or Math-Shepherd's raw form, a string:
+    the input with each placeholder replaced by the step's reward token ("...= 3 +\n...= 7 -")."""
+    labels, text, p = record[args.label_key], str(record[args.input_key]), args.placeholder_token
+    n = text.count(p)
+    if isinstance(labels, list):
+        if len(labels) != n:
+            common.fail(f"{where}: {n} placeholders {p!r} in {args.input_key!r} but {len(labels)} labels; "
+                        f"{args.label_key!r} must hold one per placeholder: a list of reward tokens "
+                        f"{args.reward_tokens} or probabilities, or Math-Shepherd's text (the input with each "
+                        f"placeholder replaced by its reward token)")
+        return labels
+    if not isinstance(labels, str):
+        return [labels]
+    pieces, out, at = text.split(p), [], 0
+    for piece in pieces[:-1]:  # walk the label text along the input's pieces, reading the token at each step
+        token = next((t for t in args.reward_tokens if labels.startswith(piece + t, at)), None)
+        if token is None:
+            break
+        out.append(token)
+        at += len(piece) + len(token)
+    if len(out) < len(pieces) - 1 or labels[at:] != pieces[-1]:
+        common.fail(f"{where}: {args.label_key!r} is a string but not the input with each placeholder {p!r} "
+                    f"replaced by a reward token {args.reward_tokens} (Math-Shepherd's form); it differs after "
+                    f"step {len(out)}. Or give a list with one label per placeholder")
+    return out
 
 
 def tokenize_sample(record, where, tokenizer, placeholder_id, reward_tokens, reward_ids, args):
@@ -66,20 +116,20 @@ def tokenize_sample(record, where, tokenizer, placeholder_id, reward_tokens, rew
     text = common.format_prompt(record[args.input_key], tokenizer, args)
     ids = torch.tensor(tokenizer(text)["input_ids"])
     steps = (ids == placeholder_id).nonzero().squeeze(-1)
-    step_labels = record[args.label_key]
-    if not isinstance(step_labels, list):
-        step_labels = [step_labels]
-    if len(steps) == 0:
+    if text.count(args.placeholder_token) == 0:
         common.fail(f"{where}: no placeholder {args.placeholder_token!r} in {args.input_key!r}")
-    if len(steps) != len(step_labels):
-        common.fail(f"{where}: {len(steps)} placeholders but {len(step_labels)} labels")
-    soft = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in step_labels)
-    bad = [x for x in step_labels if not (0 <= x <= 1 if soft else x in reward_tokens)]
+    values = step_labels(record, where, args)
+    if len(steps) != text.count(args.placeholder_token):
+        common.fail(f"{where}: the placeholder {args.placeholder_token!r} is written {text.count(args.placeholder_token)} "
+                    f"times but tokenizes to {len(steps)} placeholder tokens (the tokenizer merges it with the text "
+                    f"around it here); separate it with a space")
+    soft = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in values)
+    bad = [x for x in values if not (0 <= x <= 1 if soft else x in reward_tokens)]
     if bad:
         common.fail(f"{where}: label {bad[0]!r} is neither a reward token {reward_tokens} "
                     f"nor a probability in [0, 1]")
     labels = torch.full(ids.shape, -100.0 if soft else -100, dtype=torch.float32 if soft else torch.long)
-    labels[steps] = torch.tensor([float(x) if soft else reward_ids[reward_tokens.index(x)] for x in step_labels],
+    labels[steps] = torch.tensor([float(x) if soft else reward_ids[reward_tokens.index(x)] for x in values],
                                  dtype=labels.dtype)
     if len(ids) > args.max_len:
         fitting = steps[steps < args.max_len]

@@ -21,11 +21,26 @@ the server never answers with a traceback. With --api_key (or $RM_API_KEY) every
 
 Reward kinds (--rm_type):
   seq_cls          a sequence classifier (rm.py's output, any HF *ForSequenceClassification RM) read at
-                   the EOS appended to each query, as rm.py trains; --normalize_reward uses the
+                   the EOS that ends each query, as rm.py trains; --normalize_reward uses the
                    mean/std in its config
   causal_lm_token  a causal LM's logit of --reward_token_id at the position after the query
   prm              a prm.py model: P(first reward token) at every step placeholder, reduced per query
                    with --prm_reduce min|last|mean
+
+What is scored (seq_cls), so that rm.py's models score as they were trained and OpenRLHF's trainer gets
+what OpenRLHF's own serve_rm gives it:
+  1. pad and eos tokens at either end of a query are dropped, and whitespace after the last of them
+     ("...<|im_end|>\n" as a chat template renders a reply);
+  2. one BOS: the tokenizer's own rule, unless the text already starts with its BOS (OpenRLHF decodes
+     sequences with their special tokens; a chat template renders it), so never a second one;
+  3. one EOS is appended: the token the reward is read at (rm.py's sequences always end in one).
+  'messages' are rendered with the chat template and tokenized with no special tokens but those the
+  template writes, then steps 1 and 3, exactly as rm.py tokenizes a conversation. OpenRLHF's serve_rm
+  (0.11) tokenizes the query as sent, with no special tokens added: on its trainer's payloads (BOS if the
+  tokenizer has one, prompt, response, EOS) the ids are the same. The one difference is a response cut at
+  the length limit (no EOS): OpenRLHF reads the reward at its last token, this server at an appended EOS,
+  the only token a reward model trained on EOS-terminated pairs has learnt to score.
+The other kinds score the text as sent, with one BOS by the same rule.
 
 How it is fast: requests are tokenized on arrival and queued; one worker thread takes everything queued
 (waiting up to --max_wait_ms for requests already in flight, never when a request is alone), sorts the
@@ -104,29 +119,31 @@ async def read_body(request: Request, limit):
 
 
 # ---------------------------------------------------------------------------------------------- model
-def strip_specials(text, tokenizer):
-    """OpenRLHF's trainer may send decoded sequences with pad/eos tokens around them: drop those."""
-    specials = [t for t in (tokenizer.pad_token, tokenizer.eos_token) if t]
-    changed = True
-    while changed:
-        changed = False
-        for t in specials:
-            if text.startswith(t):
-                text, changed = text[len(t):], True
-            if text.endswith(t):
-                text, changed = text[:-len(t)], True
+def strip_ends(text, tokenizer):
+    """Drop pad/eos tokens at either end of the text (OpenRLHF's trainer may send left/right padded
+    decodes), and whitespace after the last of them (a chat template's "\n" after its end-of-turn token)."""
+    ends = [t for t in (tokenizer.pad_token, tokenizer.eos_token) if t]
+    while (head := next((t for t in ends if text.startswith(t)), None)) is not None:
+        text = text[len(head):]
+    while (tail := next((t for t in ends if text.rstrip().endswith(t)), None)) is not None:
+        text = text.rstrip()[:-len(tail)]
     return text
 
 
 def tokenize(text, tokenizer, args, templated=False):
-    """Token ids as scored: seq_cls ends with the EOS the reward is read at (kept when truncating to
-    --max_len), as rm.py trains; the other kinds score the text as is (truncated from the left, keeping
-    its end). Text rendered by a chat template already holds its special tokens (BOS)."""
-    text = strip_specials(text.rstrip() if templated else text, tokenizer)
-    if args.rm_type == "seq_cls":
-        ids = tokenizer(text, add_special_tokens=not templated)["input_ids"] + [tokenizer.eos_token_id]
-        return ids[:args.max_len - 1] + [tokenizer.eos_token_id] if len(ids) > args.max_len else ids
-    return tokenizer(text, add_special_tokens=not templated)["input_ids"][-args.max_len:]
+    """Token ids as scored. seq_cls: the text without its end pads/eos (strip_ends), one BOS, then the one
+    EOS the reward is read at (kept when truncating to --max_len). The BOS is the tokenizer's own rule, unless
+    the text already starts with it (OpenRLHF sends decodes that carry it; a chat template renders it): a
+    query never gets a second. A conversation rendered from 'messages' gets no special tokens but its
+    template's, as rm.py tokenizes one. The other kinds score the text as is (one BOS, same rule),
+    truncated from the left, keeping its end."""
+    text = strip_ends(text, tokenizer) if args.rm_type == "seq_cls" else text
+    specials = not templated and not (tokenizer.bos_token and text.startswith(tokenizer.bos_token))
+    ids = tokenizer(text, add_special_tokens=specials)["input_ids"]
+    if args.rm_type != "seq_cls":
+        return ids[-args.max_len:]
+    ids = ids if ids and ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
+    return ids[:args.max_len - 1] + [tokenizer.eos_token_id] if len(ids) > args.max_len else ids
 
 
 @torch.no_grad()
@@ -220,14 +237,20 @@ def create_app(args):
 
     def load_in_background():
         try:
+            start = time.time()
             tokenizer, model = load(args)
             state.update(tokenizer=tokenizer, batcher=Batcher(model, args, tokenizer.pad_token_id))
+            common.console.print(f"serve_rm: model loaded in {time.time() - start:.1f} s; ready", markup=False)
         except SystemExit as e:  # a clear load error: say it and stop the server
             common.console.print(str(e), markup=False)
             os._exit(1)
 
     @asynccontextmanager
     async def lifespan(app):
+        common.console.print(
+            f"serve_rm: {args.reward_pretrain} ({args.rm_type}, {'bf16' if args.bf16 else 'fp32'}) on "
+            f"http://{args.host}:{args.port}, auth {'on' if args.api_key else 'off'}; loading the model "
+            "(/health answers 503 until it is ready)", markup=False)
         threading.Thread(target=load_in_background, daemon=True).start()  # /health answers meanwhile
         yield
 

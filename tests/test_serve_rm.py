@@ -65,9 +65,11 @@ class Server:
         return httpx.post(self.url + "/get_reward", json=body, timeout=60, **kw)
 
     def close(self):
+        """Stop the server; -> what it printed."""
         self.proc.terminate()
         out = self.proc.communicate(timeout=30)[0]
         assert "Traceback" not in out, out
+        return out
 
 
 @torch.no_grad()
@@ -136,7 +138,11 @@ def test_normalized_seq_cls_and_auth(models):
         raw = offline_seq_cls(models / "seq_cls", ["1+1=2"])[0]
         assert abs(r.json()["rewards"][0] - (raw - 0.5) / 2.0) <= 1e-5  # mean 0.5, std 2 from the config
     finally:
-        server.close()
+        out = server.close()
+    # one line at start-up says what is served where, and one when it is ready; the key itself never
+    lines = out.splitlines()
+    assert any(f"{models / 'seq_cls'} (seq_cls, fp32) on http://127.0.0.1:{server.port}, auth on" in x for x in lines)
+    assert any("model loaded in" in x and "ready" in x for x in lines) and "s3cret" not in out
 
 
 @torch.no_grad()

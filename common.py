@@ -256,7 +256,8 @@ def cpu_has_native_bf16(cpuinfo="/proc/cpuinfo"):
 
 def warn_if_slow_bf16(args):
     """--bf16 on a CPU that emulates it: say what it costs here (one line) and keep bf16, as asked."""
-    if not getattr(args, "bf16", False) or torch.cuda.is_available() or cpu_has_native_bf16() or not is_rank0():
+    if not getattr(args, "bf16", False) or torch.cuda.is_available() or os.environ.get("RANK", "0") != "0" \
+            or cpu_has_native_bf16():  # before init_distributed: the launcher's RANK says who prints
         return
     import time
 
@@ -302,8 +303,11 @@ def chat_turn_end(tokenizer):
     """The special token the chat template writes right after an assistant reply (<|im_end|>, <|eot_id|>,
     </s>), or None when it writes none. Found by rendering a short conversation."""
     reply = "Sure: 42."
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}],
-                                         tokenize=False)
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"},
+                                              {"role": "assistant", "content": reply}], tokenize=False)
+    except Exception as e:  # a template's own raise_exception, or a Jinja error
+        fail(f"--apply_chat_template: the chat template cannot render a user turn and a reply ({e})")
     if reply not in text:
         return None
     tail = tokenizer(text[text.rindex(reply) + len(reply):], add_special_tokens=False)["input_ids"]
@@ -322,8 +326,9 @@ def use_turn_end_as_eos(tokenizer, path):
              "--tokenizer_chat_template or drop --apply_chat_template")
     end = chat_turn_end(tokenizer)
     if end is None:
-        fail(f"--apply_chat_template: the chat template of {path} writes no special token after an assistant "
-             "reply, so a policy would never learn where to stop; use a template that ends turns with one")
+        fail(f"--apply_chat_template: the chat template of {path} writes no special token right after an "
+             "assistant reply (or rewrites the reply), so a policy would not learn where to stop; use a "
+             "template that ends turns with one (--tokenizer_chat_template)")
     if end != tokenizer.eos_token:
         if is_rank0():
             console.print(f"the chat template ends assistant turns with {end!r}, not eos {tokenizer.eos_token!r}: "
@@ -447,6 +452,13 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
             with deepspeed.zero.GatheredParameters([emb.weight], modifier_rank=0, enabled=zero3), torch.no_grad():
                 emb.weight[vocab:] = emb.weight[:vocab].mean(0)
     model.config.pad_token_id = tokenizer.pad_token_id
+    generation = getattr(model, "generation_config", None)  # None on a classifier
+    stops = generation.eos_token_id if generation is not None else None
+    stops = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
+    if generation is not None and tokenizer.eos_token_id not in stops:
+        # the template's turn end (use_turn_end_as_eos), saved with the model: a stock generate() stops there too
+        generation.eos_token_id = [tokenizer.eos_token_id] + stops
+        model.config.eos_token_id = tokenizer.eos_token_id
     if args.use_liger_kernel:
         try:
             from liger_kernel.transformers import _apply_liger_kernel_to_instance

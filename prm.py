@@ -81,30 +81,30 @@ def setup_tokens(tokenizer, placeholder, reward_tokens):
     return placeholder_id, reward_ids
 
 
-def step_labels(record, where, args):
+def step_labels(record, where, reward_tokens, args):
     """The label of each step: a list (reward tokens or probabilities), or Math-Shepherd's raw form, a string:
     the input with each placeholder replaced by the step's reward token ("...= 3 +\n...= 7 -")."""
     labels, text, p = record[args.label_key], str(record[args.input_key]), args.placeholder_token
     n = text.count(p)
+    if not isinstance(labels, (list, str)) or labels in reward_tokens:  # one step's label, unwrapped
+        labels = [labels]
     if isinstance(labels, list):
         if len(labels) != n:
             common.fail(f"{where}: {n} placeholders {p!r} in {args.input_key!r} but {len(labels)} labels; "
                         f"{args.label_key!r} must hold one per placeholder: a list of reward tokens "
-                        f"{args.reward_tokens} or probabilities, or Math-Shepherd's text (the input with each "
+                        f"{reward_tokens} or probabilities, or Math-Shepherd's text (the input with each "
                         f"placeholder replaced by its reward token)")
         return labels
-    if not isinstance(labels, str):
-        return [labels]
     pieces, out, at = text.split(p), [], 0
     for piece in pieces[:-1]:  # walk the label text along the input's pieces, reading the token at each step
-        token = next((t for t in args.reward_tokens if labels.startswith(piece + t, at)), None)
+        token = next((t for t in reward_tokens if labels.startswith(piece + t, at)), None)
         if token is None:
             break
         out.append(token)
         at += len(piece) + len(token)
     if len(out) < len(pieces) - 1 or labels[at:] != pieces[-1]:
         common.fail(f"{where}: {args.label_key!r} is a string but not the input with each placeholder {p!r} "
-                    f"replaced by a reward token {args.reward_tokens} (Math-Shepherd's form); it differs after "
+                    f"replaced by a reward token {reward_tokens} (Math-Shepherd's form); it differs after "
                     f"step {len(out)}. Or give a list with one label per placeholder")
     return out
 
@@ -114,11 +114,11 @@ def tokenize_sample(record, where, tokenizer, placeholder_id, reward_tokens, rew
     float p) and -100 elsewhere; None if not even the first step fits in --max_len. A longer sample is
     cut after its last whole step that fits."""
     text = common.format_prompt(record[args.input_key], tokenizer, args)
-    ids = torch.tensor(tokenizer(text)["input_ids"])
+    ids = torch.tensor(tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"])  # one BOS
     steps = (ids == placeholder_id).nonzero().squeeze(-1)
     if text.count(args.placeholder_token) == 0:
         common.fail(f"{where}: no placeholder {args.placeholder_token!r} in {args.input_key!r}")
-    values = step_labels(record, where, args)
+    values = step_labels(record, where, reward_tokens, args)
     if len(steps) != text.count(args.placeholder_token):
         common.fail(f"{where}: the placeholder {args.placeholder_token!r} is written {text.count(args.placeholder_token)} "
                     f"times but tokenizes to {len(steps)} placeholder tokens (the tokenizer merges it with the text "

@@ -93,7 +93,7 @@ def build_tokenizer(family):
         bos = specials[1] if family == "mistral" else specials[0]
         tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                            special_tokens=[(bos, tok.token_to_id(bos))])
-    elif family != "mistral":
+    else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     layout = {
         "qwen25_instruct": dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"),

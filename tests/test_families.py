@@ -31,6 +31,14 @@ TURN_END = {"qwen25_instruct": "<|im_end|>", "qwen25_base": "<|im_end|>", "llama
             "mistral": "</s>", "gpt2": None}
 
 
+# sft.py's sample {"input": "12+34=", "output": "46"} without a template, token by token
+PLAIN_SAMPLE = {"qwen25_instruct": ["1", "2", "+", "3", "4", "=", "4", "6", "<|im_end|>"],
+                "qwen25_base": ["1", "2", "+", "3", "4", "=", "4", "6", "<|endoftext|>"],
+                "llama3_instruct": ["<|begin_of_text|>", "12", "+", "34", "=", "46", "<|eot_id|>"],
+                "mistral": ["<s>", "▁12", "+", "34", "=", "▁4", "6", "</s>"],
+                "gpt2": ["12", "+", "34", "=", "46", "<|endoftext|>"]}
+
+
 @pytest.fixture(scope="session")
 def family_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
@@ -88,11 +96,10 @@ def test_tokenizer_layout_and_sft_labels(family_dirs, family):
             want = tok_c(rendered[:rendered.rindex(eos) + len(eos)], add_special_tokens=False)["input_ids"]
             prompt_ids = tok_c(prompt, add_special_tokens=False)["input_ids"]
             assert tok_c.decode(ids[len(want):]).strip() == "" and all(x == -100 for x in labels[len(want):])
-        else:  # where the whole text merges across the boundary ("=4" in a sentencepiece vocabulary), the
-            # prompt keeps the tokens it has alone, as generation sees it, and the answer is tokenized alone
-            prompt_ids, whole = tok_c("12+34=")["input_ids"], tok_c("12+34=46")["input_ids"]
-            want = (whole if whole[:len(prompt_ids)] == prompt_ids else
-                    prompt_ids + tok_c("46", add_special_tokens=False)["input_ids"]) + [tok_c.eos_token_id]
+        else:  # written out: where the whole text merges across the boundary ("=4" in the sentencepiece
+            # vocabulary), the prompt keeps the tokens it has alone, as generation sees it
+            want = tok_c.convert_tokens_to_ids(PLAIN_SAMPLE[family])
+            prompt_ids = tok_c("12+34=")["input_ids"]
         assert ids[:len(want)] == want and want[:len(prompt_ids)] == prompt_ids, tok_c.convert_ids_to_tokens(ids)
         # trained: exactly the reply and one stop token after the prompt, nothing before or after
         assert [t for t, label in zip(ids, labels) if label != -100] == want[len(prompt_ids):]
@@ -160,6 +167,13 @@ def test_prm_placeholders_after_a_space_or_not(family_dirs, family):
     into another token; sentencepiece writes "▁ки". Every step is found, and the labels sit on them."""
     tok, args = load_tokenizer(family_dirs[family] / "model", family, chat=False)
     placeholder_id, reward_ids = prm.setup_tokens(tok, "ки", ["+", "-"])
+    if family in CHAT:  # a question in the template: its BOS once, and the steps found inside it
+        chat_tok, chat_args = load_tokenizer(family_dirs[family] / "model", family, chat=True)
+        chat_placeholder, chat_rewards = prm.setup_tokens(chat_tok, "ки", ["+", "-"])
+        ids, labels, _ = prm.tokenize_sample({"input": "1+2+1 ки\n4 ки", "label": ["+", "-"]}, "x", chat_tok,
+                                             chat_placeholder, ["+", "-"], chat_rewards, chat_args)
+        assert bos_count(ids.tolist(), chat_tok) == int(family in ("llama3_instruct", "mistral"))
+        assert labels[labels != -100].tolist() == chat_rewards
     assert tok.decode([placeholder_id]).strip() == "ки" and len(set(reward_ids)) == 2
     for text in ["Q\nStep 1: 1+2=3 ки\nStep 2: 3+1=4 ки", "Q\nStep 1: 1+2=3ки\nStep 2: 3+1=4ки"]:
         label = text.replace("ки", "+", 1).replace("ки", "-", 1)  # Math-Shepherd's raw label: a string
@@ -173,11 +187,12 @@ def test_prm_placeholders_after_a_space_or_not(family_dirs, family):
         assert bos_count(ids.tolist(), tok) == int(family in ("llama3_instruct", "mistral"))
 
 
-@pytest.mark.parametrize("family", ["qwen25_instruct", "llama3_instruct", "gpt2"])
+@pytest.mark.parametrize("family", ["qwen25_instruct", "gpt2"])
 def test_hf_sampling_ignores_the_generation_config(family_dirs, family):
     """generate_hf of grpo.py and ppo.py samples from softmax(logits / T) alone: the same completions as the
-    same weights with no generation_config.json at all (Qwen's repetition penalty and top_k, Llama's T 0.6,
-    GPT-2's no_repeat_ngram_size would each change them)."""
+    same weights with no generation_config.json at all. The families whose config holds a field the call does
+    not set itself: Qwen2.5-Instruct's repetition penalty, GPT-2's no_repeat_ngram_size (Llama's, Mistral's
+    and Qwen base's fields are all passed explicitly, so nothing of theirs could leak)."""
     path = family_dirs[family] / "model"
     tok, args = load_tokenizer(path, family, chat=False)
     prompts = [torch.tensor(tok(t)["input_ids"]) for t in ["12+34=", "Step 1:", "7+"] for _ in range(4)]
@@ -244,10 +259,13 @@ def test_every_script_runs_on_the_family(family_dirs, family, tmp_path):
                "--generate_max_len", 8, "--save_path", sft_dir)
     tok = AutoTokenizer.from_pretrained(sft_dir)
     assert tok.eos_token == (TURN_END[family] or AutoTokenizer.from_pretrained(root / "model").eos_token)
+    # the checkpoint keeps its sampling config, and a stock generate() stops at the stop token the policy learnt
     shipped = json.loads((root / "model" / "generation_config.json").read_text())
     saved = json.loads((sft_dir / "generation_config.json").read_text())
-    assert {k: saved.get(k) for k in shipped if k != "transformers_version"} == \
-        {k: v for k, v in shipped.items() if k != "transformers_version"}  # the checkpoint keeps its sampling config
+    kept = [k for k in shipped if k not in ("transformers_version", "eos_token_id")]
+    assert {k: saved.get(k) for k in kept} == {k: shipped[k] for k in kept}
+    assert tok.eos_token_id in (saved["eos_token_id"] if isinstance(saved["eos_token_id"], list)
+                                else [saved["eos_token_id"]])
 
     run_script("rm.py", "--pretrain", sft_dir, "--dataset", root / "prefs.jsonl", *template, *small,
                "--eval_dataset", root / "prefs.jsonl", "--save_path", rm_dir)

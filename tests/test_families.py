@@ -269,6 +269,21 @@ def test_every_script_runs_on_the_family(family_dirs, family, tmp_path):
 
     run_script("rm.py", "--pretrain", sft_dir, "--dataset", root / "prefs.jsonl", *template, *small,
                "--eval_dataset", root / "prefs.jsonl", "--save_path", rm_dir)
+    # rm.py's held-out reward mean is the stock classifier's, each response scored by the README's recipe
+    rm_tok, rm_model = AutoTokenizer.from_pretrained(rm_dir), AutoModelForSequenceClassification.from_pretrained(rm_dir)
+    scores = []
+    with torch.no_grad():
+        for r in map(json.loads, open(root / "prefs.jsonl")):
+            for response in (r["chosen"], r["rejected"]):
+                if chat:
+                    text = rm_tok.apply_chat_template([{"role": "user", "content": r["input"]}, {
+                        "role": "assistant", "content": response}], tokenize=False).rstrip()
+                    ids = rm_tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+                else:
+                    ids = rm_tok(r["input"] + response + rm_tok.eos_token, return_tensors="pt")["input_ids"]
+                scores.append(rm_model(ids).logits[0, 0].item())
+    reported = json.loads((rm_dir / "eval_results.json").read_text())["eval_reward_mean"]
+    assert reported == pytest.approx(sum(scores) / len(scores), abs=1e-4)
     for script in ("grpo.py", "ppo.py"):
         out = tmp_path / script[:-3]
         run_script(script, "--pretrain", sft_dir, "--reward_pretrain", rm_dir, "--dataset", root / "prompts.jsonl",

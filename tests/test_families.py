@@ -146,6 +146,7 @@ def test_rewards_read_where_rm_trains_them(family_dirs, family):
     # serve_rm: every form a client may send comes down to rm.py's ids
     srv = script_args(rm_type="seq_cls", max_len=128)
     text = tok.decode(want)  # with its special tokens, as OpenRLHF's trainer sends it
+    assert tok(text, add_special_tokens=False)["input_ids"] == want  # what OpenRLHF's serve_rm (0.11) scores
     queries = [text, text + tok.pad_token * 2, tok.pad_token * 3 + text, text + "\n", text + "\n" + tok.eos_token]
     if family in CHAT:
         conv = [{"role": "user", "content": "12+34="}, {"role": "assistant", "content": "46"}]

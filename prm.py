@@ -116,13 +116,14 @@ def tokenize_sample(record, where, tokenizer, placeholder_id, reward_tokens, rew
     text = common.format_prompt(record[args.input_key], tokenizer, args)
     ids = torch.tensor(tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"])  # one BOS
     steps = (ids == placeholder_id).nonzero().squeeze(-1)
-    if text.count(args.placeholder_token) == 0:
+    written = text.count(args.placeholder_token)
+    if written == 0:
         common.fail(f"{where}: no placeholder {args.placeholder_token!r} in {args.input_key!r}")
     values = step_labels(record, where, reward_tokens, args)
-    if len(steps) != text.count(args.placeholder_token):
-        common.fail(f"{where}: the placeholder {args.placeholder_token!r} is written {text.count(args.placeholder_token)} "
-                    f"times but tokenizes to {len(steps)} placeholder tokens (the tokenizer merges it with the text "
-                    f"around it here); separate it with a space")
+    if len(steps) != written:
+        common.fail(f"{where}: the placeholder {args.placeholder_token!r} is written {written} times but tokenizes "
+                    f"to {len(steps)} placeholder tokens (the tokenizer merges it with the text around it here); "
+                    "separate it with a space")
     soft = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in values)
     bad = [x for x in values if not (0 <= x <= 1 if soft else x in reward_tokens)]
     if bad:

@@ -56,7 +56,8 @@ def test_unknown_hub_model_offline(toy_world, tmp_path):
 
 
 @pytest.mark.parametrize("record,message", [
-    ({"input": "1+2\n1+2=3 ки\n3+4=7 ки", "label": ["+", "-", "-"]}, "2 placeholders 'ки' in 'input' but 3 labels; 'label' must hold one per placeholder"),
+    ({"input": "1+2\n1+2=3 ки\n3+4=7 ки", "label": ["+", "-", "-"]},
+     "2 placeholders 'ки' in 'input' but 3 labels; 'label' must hold one per placeholder"),
     ({"input": "1+2\n1+2=3 ки\n3+4=7 ки", "label": "1+2\n1+2=3 +\n3+4=8 -"}, "differs after step 1"),
     ({"input": "1+2\n1+2=3 ки\n3+4=7 ки", "label": 0.5}, "2 placeholders 'ки' in 'input' but 1 labels"),
     ({"input": "1+2\n1+2=3 ки\n3+4=7 ки", "label": "+"}, "2 placeholders 'ки' in 'input' but 1 labels"),

@@ -60,7 +60,8 @@ def test_help_lists_every_option_where_it_applies():
     ("sft.py", ["--lora_rank", 4, "--target_modules", "nope_proj"], "--target_modules nope_proj: "),
     ("rm.py", ["--dataset_probs", "0.5,0.5"], "--dataset_probs has 2 weights for 1 datasets"),
     ("sft.py", ["--dataset_probs", "0.5,x"], "expected comma-separated numbers"),
-    ("sft.py", ["--multiturn"], "--multiturn renders each conversation with the chat template: add --apply_chat_template"),
+    ("sft.py", ["--multiturn"],
+     "--multiturn renders each conversation with the chat template: add --apply_chat_template"),
 ])
 def test_option_refused_with_a_clear_error(toy_world, tmp_path, script, flags, message):
     if "CUDA" in message and torch.cuda.is_available():

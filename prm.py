@@ -72,12 +72,11 @@ def setup_tokens(tokenizer, placeholder, reward_tokens):
     reward_ids = []
     for token in reward_tokens:
         ids = tokenizer(token, add_special_tokens=False)["input_ids"]
-        if len(ids) != 1:  # a sentencepiece vocabulary may prefix "▁" to a lone token: try the token itself
-            ids = [tokenizer.convert_tokens_to_ids(token)]
-            if ids[0] in (None, tokenizer.unk_token_id):
-                common.fail(f"reward token {token!r} is {len(tokenizer(token, add_special_tokens=False)['input_ids'])} "
-                            f"tokens for this tokenizer; it must be one")
-        reward_ids.append(ids[0])
+        # a sentencepiece vocabulary may prefix "▁" to a lone token: then the token itself, if it is in it
+        own = ids[0] if len(ids) == 1 else tokenizer.convert_tokens_to_ids(token)
+        if own in (None, tokenizer.unk_token_id):
+            common.fail(f"reward token {token!r} is {len(ids)} tokens for this tokenizer; it must be one")
+        reward_ids.append(own)
     return placeholder_id, reward_ids
 
 

@@ -19,7 +19,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.update(HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
 
 import common  # noqa: E402  (imports after the environment they read)
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,  # noqa: E402
+                          GenerationConfig)
 
 
 @pytest.fixture(scope="session")
@@ -107,6 +108,27 @@ def stock_accuracy(path, eval_file, tie=1e-4):
         top2 = torch.stack(out.scores)[:, 0].topk(2, -1).values  # [steps, 2]
         near_ties += bool(((top2[:, 0] - top2[:, 1]) < tie).any())
     return pytest.approx(correct / len(records), abs=near_ties / len(records) + 1e-9)
+
+
+@torch.no_grad()
+def stock_eval_reward(policy, reward_model, prompts, chat=False):
+    """The mean reward of the policy's greedy completions, recomputed with stock classes one prompt at a time:
+    the prompt as the template renders it, generate() stopping at the saved tokenizer's eos and told nothing
+    by the checkpoint's generation config, the completion's EOS appended if it has none."""
+    tok = AutoTokenizer.from_pretrained(policy)
+    model = AutoModelForCausalLM.from_pretrained(policy).eval()
+    rm_model = AutoModelForSequenceClassification.from_pretrained(reward_model).eval()
+    scores = []
+    for p in prompts:
+        text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                       add_generation_prompt=True) if chat else p
+        ids = torch.tensor([tok(text, add_special_tokens=not chat)["input_ids"]])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id, generation_config=GenerationConfig(do_sample=False),
+                             repetition_penalty=1.0, no_repeat_ngram_size=0)[0]
+        seq = out if out[-1] == tok.eos_token_id else torch.cat([out, torch.tensor([tok.eos_token_id])])
+        scores.append(rm_model(seq[None]).logits[0, 0].item())
+    return sum(scores) / len(scores)
 
 
 def last_logged(stdout_and_err, key, prefix="train step"):

@@ -14,7 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
-from conftest import ROOT, run_script, script_args  # first: it puts the repository on sys.path (for __main__ too)
+# conftest first: it puts the repository on sys.path (for __main__ too)
+from conftest import ROOT, run_script, script_args, stock_eval_reward
 
 import common  # noqa: E402
 import families  # noqa: E402
@@ -24,6 +25,7 @@ import prm  # noqa: E402
 import rm  # noqa: E402
 import serve_rm  # noqa: E402
 import sft  # noqa: E402
+from test_packing import toy_args  # noqa: E402
 from test_serve_rm import Server  # noqa: E402
 
 CHAT = [f for f in families.FAMILIES if f != "gpt2"]  # GPT-2 ships no chat template
@@ -46,10 +48,8 @@ def family_dirs(tmp_path_factory):
 
 
 def family_args(family, **kw):
-    return script_args(**{"apply_chat_template": family in CHAT, "max_len": 128, "input_key": "input",
-                          "output_key": "output", "multiturn": False, "pretrain_mode": False, "chosen_key": "chosen",
-                          "rejected_key": "rejected", "label_key": "label", "placeholder_token": "ки",
-                          "reward_tokens": ["+", "-"], **kw})
+    return toy_args(**{"apply_chat_template": family in CHAT, "max_len": 128, "label_key": "label",
+                       "placeholder_token": "ки", "reward_tokens": ["+", "-"], **kw})
 
 
 def load_tokenizer(path, family, chat=None):
@@ -221,27 +221,6 @@ def test_hf_sampling_ignores_the_generation_config(family_dirs, family):
                                       script_args(generate_max_len=24, apply_chat_template=False, zero_stage=0))
                   for model in (with_config, blank)]
         assert greedy[0] == greedy[1], scale
-
-
-@torch.no_grad()
-def stock_eval_reward(policy, reward_model, prompts, chat):
-    """The mean reward of the policy's greedy completions, recomputed with stock classes one prompt at a time:
-    the prompt as the template renders it, generate() stopping at the saved tokenizer's eos and told nothing
-    by the checkpoint's generation config, the completion's EOS appended if it has none."""
-    tok = AutoTokenizer.from_pretrained(policy)
-    model = AutoModelForCausalLM.from_pretrained(policy).eval()
-    rm_model = AutoModelForSequenceClassification.from_pretrained(reward_model).eval()
-    scores = []
-    for p in prompts:
-        text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                       add_generation_prompt=True) if chat else p
-        ids = torch.tensor([tok(text, add_special_tokens=not chat)["input_ids"]])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, pad_token_id=tok.pad_token_id,
-                             eos_token_id=tok.eos_token_id, generation_config=GenerationConfig(do_sample=False),
-                             repetition_penalty=1.0, no_repeat_ngram_size=0)[0]
-        seq = out if out[-1] == tok.eos_token_id else torch.cat([out, torch.tensor([tok.eos_token_id])])
-        scores.append(rm_model(seq[None]).logits[0, 0].item())
-    return sum(scores) / len(scores)
 
 
 @pytest.mark.parametrize("family", families.FAMILIES)

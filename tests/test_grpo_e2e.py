@@ -8,10 +8,8 @@ import json
 import shutil
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from conftest import last_logged, results, run_script, stock_accuracy, weights
+from conftest import last_logged, results, run_script, stock_accuracy, stock_eval_reward, weights
 
 STEP = ["--max_samples", 64, "--rollout_batch_size", 16, "--n_samples_per_prompt", 4, "--train_batch_size", 32,
         "--micro_train_batch_size", 16, "--logging_steps", 1]  # 4 steps of 16 prompts x 4 samples
@@ -81,7 +79,6 @@ def test_grpo_ray_two_processes_zero3(policy, eval_file, tmp_path):
     assert last_logged(proc.stdout + proc.stderr, "vllm_sync_s") > 0
 
 
-@torch.no_grad()
 def test_grpo_reward_model(policy, eval_file, tmp_path):
     """--reward_pretrain: the reported eval reward equals the stock classifier's mean score of the saved
     policy's greedy completions (prompt + completion + EOS, one at a time)."""
@@ -89,17 +86,8 @@ def test_grpo_reward_model(policy, eval_file, tmp_path):
                tmp_path / "rm")
     run_script("grpo.py", *STEP, "--pretrain", policy, "--eval_dataset", eval_file, "--reward_pretrain",
                tmp_path / "rm", "--save_path", tmp_path / "g")
-    tok = AutoTokenizer.from_pretrained(tmp_path / "g")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "g").eval()
-    rm = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
-    scores = []
-    for line in open(eval_file):
-        ids = tok(json.loads(line)["input"], return_tensors="pt")["input_ids"]
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[0]
-        seq = out if out[-1] == tok.eos_token_id else torch.cat([out, torch.tensor([tok.eos_token_id])])
-        scores.append(rm(seq[None]).logits[0, 0].item())
-    assert results(tmp_path / "g")["eval_reward"] == pytest.approx(sum(scores) / len(scores), abs=1e-4)
+    stock = stock_eval_reward(tmp_path / "g", tmp_path / "rm", [json.loads(line)["input"] for line in open(eval_file)])
+    assert results(tmp_path / "g")["eval_reward"] == pytest.approx(stock, abs=1e-4)
 
 
 def test_on_policy_update_skips_the_old_logprob_forward(policy, tmp_path):

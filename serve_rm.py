@@ -350,8 +350,8 @@ def main():
     a("--max_body_mb", type=float, default=16.0)
     a("--max_texts", type=int, default=4096, help="texts per request")
     a("--log_requests", action="store_true", help="log request texts and the access log (off: nothing of them)")
+    common.quiet_libraries()
     args = p.parse_args()
-    args.gradient_checkpointing = args.use_liger_kernel = False
     args.max_batch_tokens = args.max_batch_tokens or (16384 if torch.cuda.is_available() else 2048)
     common.warn_if_slow_bf16(args)
     uvicorn.run(create_app(args), host=args.host, port=args.port, log_level="warning",

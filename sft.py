@@ -102,11 +102,10 @@ def evaluate(engine, data, records, tokenizer, args):
     model = engine.module
     model.eval()
     loss_sum, tokens = 0.0, 0
-    for idx in common.eval_batches(len(data), args.micro_train_batch_size):
-        # a filler (-1) runs the forward, as ZeRO-3 needs every rank, but has no label to count
-        ids = [data[max(j, 0)][0] for j in idx]
-        labels = [data[j][1] if j >= 0 else torch.full_like(data[0][1], -100) for j in idx]
-        ids, mask, pos = common.batch_sequences(ids, tokenizer.pad_token_id, False)
+    for batch, real in common.eval_shard(data, args.micro_train_batch_size):
+        # a filler runs the forward, as ZeRO-3 needs every rank, but has no label to count
+        labels = [y if keep else torch.full_like(y, -100) for (_, y), keep in zip(batch, real)]
+        ids, mask, pos = common.batch_sequences([x for x, _ in batch], tokenizer.pad_token_id, False)
         labels, _, _ = common.batch_sequences(labels, -100, False)
         logits = model(input_ids=ids.to(engine.device), attention_mask=mask.to(engine.device),
                        position_ids=pos.to(engine.device), use_cache=False).logits
@@ -114,12 +113,12 @@ def evaluate(engine, data, records, tokenizer, args):
         loss_sum += sft_loss(logits, labels.to(engine.device)).item() * n if n else 0.0
         tokens += n
     correct, total = 0, 0
-    for idx in common.eval_batches(min(args.eval_generate_samples, len(records)), args.micro_train_batch_size):
-        prompts = [common.format_prompt(records[max(j, 0)][args.input_key], tokenizer, args) for j in idx]
-        answers = greedy_generate(engine, tokenizer, prompts, args)
-        for j, answer in zip(idx, answers):
-            if j >= 0:
-                correct += answer.strip() == str(records[j][args.output_key]).strip()
+    for batch, real in common.eval_shard(records[:max(args.eval_generate_samples, 0)], args.micro_train_batch_size):
+        answers = greedy_generate(engine, tokenizer, [common.format_prompt(r[args.input_key], tokenizer, args)
+                                                      for r in batch], args)
+        for record, answer, keep in zip(batch, answers, real):
+            if keep:
+                correct += answer.strip() == str(record[args.output_key]).strip()
                 total += 1
     loss_sum, tokens, correct, total = common.all_reduce_sum([loss_sum, tokens, correct, total])
     model.train()
@@ -217,11 +216,7 @@ def main():
         metrics = evaluate(engine, eval_data, eval_records, tokenizer, args)
         logger.log(total_steps, metrics, prefix="eval")
         results.update({f"eval_{k}": v for k, v in metrics.items()})
-    logger.close()  # after the final eval is logged (it closes TensorBoard and wandb)
-    common.save_hf_model(engine, tokenizer, args.save_path, args)
-    common.write_results(args.save_path, results)
-    if common.is_rank0():
-        common.console.print(f"saved to {args.save_path}: {results}")
+    common.finish(engine, tokenizer, args, results, logger)
 
 
 if __name__ == "__main__":

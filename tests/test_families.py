@@ -138,9 +138,10 @@ def test_rewards_read_where_rm_trains_them(family_dirs, family):
     assert want[:len(prompt_ids)] == prompt_ids.tolist()  # the prompt keeps its tokens inside the whole text
     response = torch.tensor(want[len(prompt_ids):])  # what a policy SFT-trained on this text generates
     cut = response[:-1]  # hit the length limit: no EOS
-    samples = [{"prompt": prompt_ids, "response": response}, {"prompt": prompt_ids, "response": cut}]
+    prompts, responses = [prompt_ids, prompt_ids], [response, cut]
     rl_args = script_args(micro_rollout_batch_size=8)
-    for scores in (grpo.rm_rewards(model, samples, tok, rl_args), ppo.rm_scores(model, samples, tok, rl_args)):
+    for scores in (grpo.rm_rewards(model, prompts, responses, tok, rl_args),
+                   ppo.rm_scores(model, prompts, responses, tok, rl_args)):
         assert scores.tolist() == pytest.approx([reference] * 2, abs=1e-5)
 
     # serve_rm: every form a client may send comes down to rm.py's ids
@@ -338,9 +339,9 @@ def vllm_greedy(policy, prompts):
     common.init_distributed(args)
     tok = AutoTokenizer.from_pretrained(policy)
     model = AutoModelForCausalLM.from_pretrained(policy).eval()
-    llm = grpo.start_vllm(args, model.config.vocab_size)
-    grpo.load_vllm_weights(llm, common.merged_weights(model, args), model.config.tie_word_embeddings)
-    out = grpo.generate_vllm(llm, [torch.tensor(p) for p in json.loads(prompts)], args, tok.eos_token_id, 0.0)
+    engine = common.VLLMEngine(args, model.config.vocab_size, model.config.tie_word_embeddings)
+    engine.sync(model, args)
+    out = grpo.generate_vllm(engine, [torch.tensor(p) for p in json.loads(prompts)], args, tok.eos_token_id, 0.0)
     print(json.dumps([o.tolist() for o in out]))
 
 

@@ -110,8 +110,10 @@ def test_policy_loss_matches_loop(mode, variant):
         low, high, ref_in, kl_coef, dual = 0.2, 0.28, ref, 0.05, 3.0
     if variant == "token_advantages":
         adv = torch.randn(B, T, generator=g, dtype=torch.float64)
-    got = grpo.policy_loss(logp, old, adv, mask, low, high, ref_logprobs=ref_in, kl_coef=kl_coef, dual_clip=dual,
-                           **kwargs)
+    per_token = grpo.policy_loss(logp, old, adv, low, high, dual_clip=dual)
+    if ref_in is not None:  # KL as a loss (--use_kl_loss), as grpo.py adds it
+        per_token = per_token + kl_coef * common.approx_kl(logp, ref_in, "k3")
+    got = grpo.aggregate_loss(per_token, mask, **kwargs)
     want = loop_policy_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), low, high, mode, 8,
                             None if ref_in is None else ref.tolist(), kl_coef, dual)
     assert abs(got.item() - want) < 1e-10, (got.item(), want)
@@ -125,7 +127,7 @@ def test_policy_loss_gradient_matches_loop():
     logp = (old + torch.randn(3, 5, generator=g, dtype=torch.float64) * 0.3).requires_grad_()
     adv = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
     mask = torch.tensor([[1] * 5, [1] * 3 + [0] * 2, [1] * 5])
-    grpo.policy_loss(logp, old, adv, mask, 0.2, 0.28).backward()
+    grpo.aggregate_loss(grpo.policy_loss(logp, old, adv, 0.2, 0.28), mask).backward()
     n = int(mask.sum())
     for b in range(3):
         for t in range(5):
@@ -139,9 +141,9 @@ def test_policy_loss_gradient_matches_loop():
 def test_policy_loss_errors():
     x, m = torch.zeros(2, 3), torch.ones(2, 3)
     with pytest.raises(ValueError, match="generate_max_len"):
-        grpo.policy_loss(x, x, torch.zeros(2), m, loss_agg_mode="seq-mean-token-sum-norm")
+        grpo.aggregate_loss(grpo.policy_loss(x, x, torch.zeros(2)), m, loss_agg_mode="seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="unknown loss_agg_mode"):
-        grpo.policy_loss(x, x, torch.zeros(2), m, loss_agg_mode="sum")
+        grpo.aggregate_loss(grpo.policy_loss(x, x, torch.zeros(2)), m, loss_agg_mode="sum")
 
 
 # ------------------------------------------------------------------------------------ shared prompts
@@ -156,11 +158,14 @@ def test_group_shares_its_prompt_in_the_update(policy, tokenizer):
     g = torch.Generator().manual_seed(0)
     responses = [torch.randint(4, len(tokenizer), (n,), generator=g) for n in (3, 1, 0, 5, 2, 4)]
     batch = list(zip([x, x, y, y, x, y], responses))  # x three times, y three (the first empty), interleaved
+    common.register_packed_sdpa()
     model = AutoModelForCausalLM.from_pretrained(policy, attn_implementation="packed_sdpa")
     rows = []
     model.get_input_embeddings().register_forward_hook(lambda m, inp, out: rows.append(inp[0].shape))
     args = script_args(packing_samples=True, temperature=0.7)
-    logp, _, mask, _ = grpo.response_logprobs(model, batch, args, tokenizer.pad_token_id)
+    logp, _, _ = grpo.response_logprobs(model, batch, args, tokenizer.pad_token_id)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(r), dtype=torch.bool) for _, r in batch], batch_first=True)
+    assert logp.shape == mask.shape and not logp[~mask].any()  # 0 on padding
     assert rows == [(1, len(x) + len(y) + sum(len(r) for r in responses))]
     (logp * mask).sum().backward()
     reference = AutoModelForCausalLM.from_pretrained(policy, attn_implementation="eager")

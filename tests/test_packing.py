@@ -54,6 +54,7 @@ def twin_models(toy_world, kv_heads):
     config = AutoConfig.from_pretrained(toy_world / "model", num_key_value_heads=kv_heads or 4)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    common.register_packed_sdpa()
     packed_model = AutoModelForCausalLM.from_config(config, attn_implementation="packed_sdpa")
     packed_model.load_state_dict(model.state_dict())
     return model, packed_model

@@ -38,8 +38,10 @@ def test_hf_generate_prefills_a_repeated_prompt_once(policy, script, attention):
     sees as a packed row)."""
     import importlib
 
+    import common
     from conftest import script_args
 
+    common.register_packed_sdpa()
     rl = importlib.import_module(script)
     tok = AutoTokenizer.from_pretrained(policy)
     model = AutoModelForCausalLM.from_pretrained(policy, attn_implementation=attention).eval()
@@ -89,14 +91,12 @@ def backend_parity(policy, eval_file, script, backend, lora):
     prompts = [torch.tensor(tok(json.loads(line)["input"])["input_ids"]) for line in open(eval_file)]
     prefix_caching = None
     if backend == "vllm":
-        llm = rl.start_vllm(args, model.config.vocab_size)
-        sync = lambda: rl.load_vllm_weights(llm, common.merged_weights(model, args), True)  # noqa: E731
-        generate = lambda *a: rl.generate_vllm(llm, prompts, args, eos, *a)  # noqa: E731
-        prefix_caching = llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+        engine = common.VLLMEngine(args, model.config.vocab_size, model.config.tie_word_embeddings)
+        prefix_caching = engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
     else:
-        engines, group = rl.start_ray_engines(args, model)
-        sync = lambda: rl.sync_ray_engines(engines, group, model, args)  # noqa: E731
-        generate = lambda *a: rl.generate_ray(engines, prompts, args, eos, *a)  # noqa: E731
+        engine = common.RayEngines(args, model)
+    sync = lambda: engine.sync(model, args)  # noqa: E731
+    generate = lambda *a: rl.generate_vllm(engine, prompts, args, eos, *a)  # noqa: E731
     sync()
 
     @torch.no_grad()
@@ -134,8 +134,8 @@ def backend_parity(policy, eval_file, script, backend, lora):
     for packing in (False, True):
         args.packing_samples = packing
         with torch.no_grad():
-            logp, _, mask, _ = rl.response_logprobs(model, list(zip(prompts, responses)), args, tok.pad_token_id)
-        ours[packing] = max((logp[i][mask[i]].double() - hf_logprobs(p, r)).abs().max().item()
+            logp, _, _ = rl.response_logprobs(model, list(zip(prompts, responses)), args, tok.pad_token_id)
+        ours[packing] = max((logp[i, :len(r)].double() - hf_logprobs(p, r)).abs().max().item()
                             for i, (p, r) in enumerate(zip(prompts, responses)))
     print(json.dumps({"prompts": len(prompts), "greedy_equal": greedy_equal, "tie_margin": tie_margin,
                       "stale_logprob_diff": stale,

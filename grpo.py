@@ -157,9 +157,11 @@ def response_logprobs(model, batch, args, pad_id, with_entropy=False):
     """Log-probs (at --temperature, as sampled) of each response token given what precedes it.
     batch: (prompt_ids, response_ids) pairs. -> logprobs [B, R] (0 on padding), entropy [B, R] or None, and
     the forward's MoE router loss (None unless --aux_loss_coef turned it on)."""
-    inputs, where = common.response_inputs(model, batch, pad_id, args.packing_samples)  # padded or packed
+    # padded, or packed with a group's prompt laid out once (common.pack_groups)
+    inputs, where = common.response_inputs(model, batch, pad_id, args.packing_samples, share_prompts=True)
     out = model(**inputs)
-    logp_all = F.log_softmax(out.logits[where].float() / args.temperature, -1)  # [sum R, V]
+    # [sum R, V]: the logits one position before each response token, the ones that predicted it
+    logp_all = F.log_softmax(out.logits[where].float() / args.temperature, -1)
     logp = logp_all.gather(-1, torch.cat([r for _, r in batch]).to(logp_all.device)[:, None]).squeeze(-1)
     lengths = [len(r) for _, r in batch]
     entropy = pad_sequence((-(logp_all.exp() * logp_all).sum(-1)).split(lengths), batch_first=True) \
@@ -178,7 +180,7 @@ def rollout_logprobs(model, batch, args, pad_id):
 
 
 @torch.no_grad()
-def rm_rewards(rm, prompts, responses, tokenizer, args):
+def rm_scores(rm, prompts, responses, tokenizer, args):
     """--reward_pretrain: the classifier's score at each sequence's EOS (appended when the completion has
     none, as rm.py trains), right-padded so the stock head finds the last non-pad token."""
     eos, out, m = tokenizer.eos_token_id, [], args.micro_rollout_batch_size
@@ -254,7 +256,7 @@ def evaluate(eval_records, generate, reward_fn, tokenizer, args):
     greedy), split over ranks: the mean reward and reward function's extra logs (the toy task's accuracy)
     over all completions, and with n > 1 pass@n, the mean over prompts of the best of their n rewards."""
     n = args.eval_n_samples_per_prompt
-    (mine, real), = common.eval_shard(eval_records, len(eval_records))  # fillers keep ZeRO-3 ranks in step
+    mine, real = common.rank_share(eval_records)  # fillers keep ZeRO-3 ranks in step
     records = [r for r in mine for _ in range(n)]
     responses = generate([r["ids"] for r in records], args.eval_temperature)
     rewards, _, logs = score(records, responses, reward_fn, tokenizer, args)
@@ -340,12 +342,13 @@ def main():
     args = parse_args()
     client = args.remote_rm_url and common.reward_client(
         args.remote_rm_url, args.remote_rm_batch_size, args.remote_rm_timeout, args.remote_rm_retries)
-    rank, world = common.init_distributed(args)
+    _, world = common.init_distributed(args)
     start = time.time()
     samples_per_step = args.rollout_batch_size * args.n_samples_per_prompt
     if args.rollout_batch_size % world or samples_per_step % args.train_batch_size:
         common.fail(f"--rollout_batch_size {args.rollout_batch_size} must split over {world} processes and its "
-                    f"{samples_per_step} samples into --train_batch_size {args.train_batch_size}")
+                    f"{args.rollout_batch_size} x {args.n_samples_per_prompt} samples into --train_batch_size "
+                    f"{args.train_batch_size}")
 
     tokenizer = common.load_tokenizer(args.pretrain, args)
     pad_id, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
@@ -361,32 +364,32 @@ def main():
     model = common.load_model(args.pretrain, args, tokenizer, cfg)
     common.enable_router_loss(model, args.aux_loss_coef)
     common.disable_dropout(model)
-    policy = common.setup_deepspeed(model, args, cfg, total_steps * updates)
+    actor = common.setup_deepspeed(model, args, cfg, total_steps * updates)
     ref = common.load_frozen(args.pretrain, args, tokenizer, cfg) if args.init_kl_coef > 0 else None
     if args.reward_pretrain:
         rm = common.load_frozen(args.reward_pretrain, args, tokenizer, cfg,
                                 model_class=AutoModelForSequenceClassification)
 
         def reward_fn(records, responses):
-            rewards = rm_rewards(rm, [r["ids"] for r in records], responses, tokenizer, args)
+            rewards = rm_scores(rm, [r["ids"] for r in records], responses, tokenizer, args)
             return rewards, rewards, {}
     else:
         def reward_fn(records, responses):
             return client_rewards(client, records, responses, tokenizer)
-    start_step, state = common.load_checkpoint(policy, args, with_state=True)
+    start_step, state = common.load_checkpoint(actor, args, with_state=True)
     cursor = [state.get("prompt_cursor", 0)]
     stream = common.prompt_batches(prompts, args, cursor)
-    # --vllm / --ray: vLLM engines fed the policy's weights (and again after every update); else HF generate
-    engine = common.start_rollout_engine(args, policy.module) if args.vllm or args.ray else None
+    # --vllm / --ray: vLLM engines fed the actor's weights (and again after every update); else HF generate
+    engine = common.start_rollout_engine(args, actor.module) if args.vllm or args.ray else None
 
     def generate(prompts, temperature):
         if engine is None:
-            return generate_hf(policy.module, prompts, args, tokenizer, temperature)
+            return generate_hf(actor.module, prompts, args, tokenizer, temperature)
         return generate_vllm(engine, prompts, args, eos, temperature)
 
     logger, results, totals = common.Logger(args, total_steps, start_step), {}, {"generate_s": 0.0, "train_s": 0.0}
     if eval_prompts:
-        policy.module.eval()
+        actor.module.eval()
         before = evaluate(eval_prompts, generate, reward_fn, tokenizer, args)
         logger.log(start_step, before, prefix="eval")
         results.update({f"eval_{k}_before": v for k, v in before.items()})
@@ -395,12 +398,12 @@ def main():
     on_policy = updates == 1 and ref is None
     for step in range(start_step, total_steps):
         # 1. rollout: sample groups, score them; the log-probs the update starts from (no gradients)
-        policy.module.eval()
+        actor.module.eval()
         records, responses, rewards, logs, metrics = rollout(stream, generate, reward_fn, tokenizer, args)
         t = time.time()
         batch = [(r["ids"], response) for r, response in zip(records, responses)]  # N (prompt, response) pairs
         action_mask = pad_sequence([torch.ones(len(r), dtype=torch.bool) for r in responses], batch_first=True)
-        old_logprobs = None if on_policy else rollout_logprobs(policy.module, batch, args, pad_id)  # [N, R]
+        old_logprobs = None if on_policy else rollout_logprobs(actor.module, batch, args, pad_id)  # [N, R]
         ref_logprobs = rollout_logprobs(ref, batch, args, pad_id) if ref is not None else None  # [N, R]
 
         # 2. advantages: group statistics, the KL penalty when it is a reward, batch whitening (REINFORCE++)
@@ -415,12 +418,12 @@ def main():
 
         # 3. update: --max_epochs passes over shuffled micro-batches; DeepSpeed steps the optimizer every
         #    train_batch_size samples (gradient accumulation over micro-batches and ranks)
-        policy.module.train()
+        actor.module.train()
         stats = {"policy_loss": [], "clip_frac": [], "entropy": []}
         for _ in range(args.max_epochs):
             order = torch.randperm(len(batch))
             for mb in order.split(args.micro_train_batch_size):
-                logprobs, entropy, aux_loss = response_logprobs(policy, [batch[j] for j in mb], args, pad_id,
+                logprobs, entropy, aux_loss = response_logprobs(actor, [batch[j] for j in mb], args, pad_id,
                                                                 with_entropy=True)  # [b, T]
                 T, device = logprobs.size(1), logprobs.device
                 mask = action_mask[mb, :T].to(device)
@@ -434,8 +437,8 @@ def main():
                     loss = loss - args.entropy_loss_coef * common.masked_mean(entropy, mask)
                 if args.aux_loss_coef:  # a mixture of experts' router load-balancing loss
                     loss = loss + args.aux_loss_coef * aux_loss
-                policy.backward(loss)
-                policy.step()
+                actor.backward(loss)
+                actor.step()
                 ratio = torch.exp(logprobs.detach() - old)
                 clipped = (ratio < 1 - args.eps_clip_low) | (ratio > 1 + args.eps_clip_high)
                 stats["policy_loss"].append(loss.item())
@@ -445,33 +448,34 @@ def main():
         # 4. weight sync: the rollout engines generate with the updated policy from the next step on
         if engine is not None:
             t_sync = time.time()
-            engine.sync(policy.module, args)
+            engine.sync(actor.module, args)
             metrics["vllm_sync_s"] = time.time() - t_sync
         metrics["train_s"] = time.time() - t
 
         # 5. log (means over all ranks), save, eval
-        lengths = action_mask.sum(-1)
-        out = common.all_reduce_means({"reward": rewards, "reward_sq": rewards.double() ** 2, "response_len": lengths,
-                                       "kl": kl.sum(-1) / lengths, **logs, **stats, **metrics})
-        out["reward_std"] = math.sqrt(max(out.pop("reward_sq") - out["reward"] ** 2, 0.0))
-        out["lr"] = policy.get_lr()[0]
+        lengths = action_mask.sum(-1).tolist()
+        out = common.all_reduce_means({"reward": rewards.tolist(), **logs, "response_len": lengths,
+                                       "kl": [kl[i, :n].mean().item() for i, n in enumerate(lengths)], **stats,
+                                       **metrics, "_reward_sq": rewards.double() ** 2})
+        out["reward_std"] = math.sqrt(max(out.pop("_reward_sq") - out["reward"] ** 2, 0.0))
+        out["lr"] = actor.get_lr()[0]
         totals = {k: v + out[k] for k, v in totals.items()}
         logger.log(step + 1, out)
         if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
-            common.save_checkpoint(policy, args, step + 1, extra={"prompt_cursor": cursor[0]})
+            common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": cursor[0]})
         if eval_prompts and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
-            policy.module.eval()
+            actor.module.eval()
             logger.log(step + 1, evaluate(eval_prompts, generate, reward_fn, tokenizer, args), prefix="eval")
 
     done = max(total_steps - start_step, 1)
     results.update(train_time_s=time.time() - start, steps=total_steps,
                    **{f"{k[:-2]}_s_per_step": v / done for k, v in totals.items()})
     if eval_prompts:
-        policy.module.eval()
+        actor.module.eval()
         metrics = evaluate(eval_prompts, generate, reward_fn, tokenizer, args)
         logger.log(total_steps, metrics, prefix="eval")
         results.update({f"eval_{k}": v for k, v in metrics.items()})
-    common.finish(policy, tokenizer, args, results, logger)
+    common.finish(actor, tokenizer, args, results, logger)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ def main():
     p.add_argument("--is_rm", action="store_true", help="a reward model or critic (sequence classifier)")
     p.add_argument("--bf16", action="store_true", help="write bfloat16 weights (the merge itself is in float32)")
     p.add_argument("--trust_remote_code", action="store_true")
+    common.quiet_libraries()
     args = p.parse_args()
     adapter_config = Path(args.lora_path) / "adapter_config.json"
     if not adapter_config.is_file():
@@ -37,8 +38,8 @@ def main():
     from peft import PeftModel
 
     # The base loads as training loaded it (added tokens included), in float32 so the merge adds exactly.
-    load_args = argparse.Namespace(bf16=False, flash_attn=False, load_in_4bit=False, use_liger_kernel=False,
-                                   gradient_checkpointing=False, trust_remote_code=args.trust_remote_code)
+    load_args = argparse.Namespace(bf16=False, flash_attn=False, load_in_4bit=False,
+                                   trust_remote_code=args.trust_remote_code)
     tokenizer = common.load_tokenizer(args.lora_path, load_args)  # saved with the adapter
     kwargs = dict(model_class=AutoModelForSequenceClassification, num_labels=1) if args.is_rm else \
         dict(model_class=AutoModelForCausalLM)

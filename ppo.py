@@ -143,7 +143,8 @@ def response_logprobs(model, batch, args, pad_id, with_entropy=False):
     the forward's MoE router loss (None unless --aux_loss_coef turned it on)."""
     inputs, where = common.response_inputs(model, batch, pad_id, args.packing_samples)  # padded or packed
     out = model(**inputs)
-    logp_all = F.log_softmax(out.logits[where].float() / args.temperature, -1)  # [sum R, V]
+    # [sum R, V]: the logits one position before each response token, the ones that predicted it
+    logp_all = F.log_softmax(out.logits[where].float() / args.temperature, -1)
     logp = logp_all.gather(-1, torch.cat([r for _, r in batch]).to(logp_all.device)[:, None]).squeeze(-1)
     lengths = [len(r) for _, r in batch]
     entropy = pad_sequence((-(logp_all.exp() * logp_all).sum(-1)).split(lengths), batch_first=True) \
@@ -217,7 +218,7 @@ def evaluate(eval_records, generate, reward_fn, eval_fn, tokenizer, args):
     toy task's accuracy), and with n > 1 pass@n: the mean over prompts of the best of their n eval rewards
     (the training reward's without --eval_reward_func)."""
     n = args.eval_n_samples_per_prompt
-    (mine, real), = common.eval_shard(eval_records, len(eval_records))  # fillers keep ZeRO-3 ranks in step
+    mine, real = common.rank_share(eval_records)  # fillers keep ZeRO-3 ranks in step
     records = [r for r in mine for _ in range(n)]
     responses = generate([r["ids"] for r in records], args.eval_temperature)
     rewards, _, _ = reward_fn(records, responses)
@@ -309,7 +310,7 @@ def main():
     client = args.remote_rm_url and common.reward_client(
         args.remote_rm_url, args.remote_rm_batch_size, args.remote_rm_timeout, args.remote_rm_retries)
     eval_fn = args.eval_reward_func and common.reward_client(args.eval_reward_func)
-    rank, world = common.init_distributed(args)
+    _, world = common.init_distributed(args)
     start = time.time()
     samples_per_step = args.rollout_batch_size * args.n_samples_per_prompt
     if args.rollout_batch_size % world or samples_per_step % args.train_batch_size:
@@ -442,19 +443,21 @@ def main():
         metrics["train_s"] = time.time() - t
 
         # 4. weight sync: the rollout engines generate with the updated actor from the next step on
-        t = time.time()
+        metrics["sync_s"] = 0.0
         if engine is not None and train_actor:
+            t = time.time()
             engine.sync(actor.module, args)
-        metrics["sync_s"] = time.time() - t
+            metrics["sync_s"] = time.time() - t
 
         # 5. log (means over all ranks), adaptive KL, save, eval
-        ret, err = returns[action_mask], (returns - values)[action_mask]  # [response tokens]
+        lengths = action_mask.sum(-1).tolist()
+        ret, err = returns[action_mask].double(), (returns - values)[action_mask].double()  # [response tokens]
         out = common.all_reduce_means({
-            "reward": scores, "reward_sq": scores.double() ** 2, "kl": kl.sum(-1), "response_len": action_mask.sum(-1),
-            "stopped": stopped.float(), "ret": ret, "ret_sq": ret.double() ** 2, "err": err,
-            "err_sq": err.double() ** 2, **extra_logs, **stats, **metrics})
-        out["reward_std"] = math.sqrt(max(out.pop("reward_sq") - out["reward"] ** 2, 0.0))
-        error_var, returns_var = out.pop("err_sq") - out.pop("err") ** 2, out.pop("ret_sq") - out.pop("ret") ** 2
+            "reward": scores, **extra_logs, "kl": [kl[i, :n].sum().item() for i, n in enumerate(lengths)],
+            "response_len": lengths, "stopped": stopped.float(), **stats, **metrics, "_reward_sq": scores.double() ** 2,
+            "_ret": ret, "_ret_sq": ret ** 2, "_err": err, "_err_sq": err ** 2})
+        out["reward_std"] = math.sqrt(max(out.pop("_reward_sq") - out["reward"] ** 2, 0.0))
+        error_var, returns_var = out.pop("_err_sq") - out.pop("_err") ** 2, out.pop("_ret_sq") - out.pop("_ret") ** 2
         out.update(explained_var=1 - error_var / max(returns_var, 1e-8), kl_coef=kl_coef,
                    actor_lr=actor.get_lr()[0], critic_lr=critic.get_lr()[0])
         totals = {k: v + out[k] for k, v in totals.items()}

@@ -107,7 +107,6 @@ def test_grpo_reward_func_returning_the_wrong_count(toy_world, tmp_path):
 @pytest.mark.parametrize("flags, message", [
     ([], "exactly one reward"),
     (["--remote_rm_url", "toy.py", "--normalize_reward"], "--normalize_reward reads mean/std"),
-    (["--remote_rm_url", "toy.py", "--no-colocate"], "unrecognized arguments: --no-colocate"),
     (["--remote_rm_url", "toy.py", "--dual_clip", "0.5"], "--dual_clip must be > 1"),
 ])
 def test_ppo_option_errors(toy_world, tmp_path, flags, message):

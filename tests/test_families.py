@@ -140,7 +140,7 @@ def test_rewards_read_where_rm_trains_them(family_dirs, family):
     cut = response[:-1]  # hit the length limit: no EOS
     prompts, responses = [prompt_ids, prompt_ids], [response, cut]
     rl_args = script_args(micro_rollout_batch_size=8)
-    for scores in (grpo.rm_rewards(model, prompts, responses, tok, rl_args),
+    for scores in (grpo.rm_scores(model, prompts, responses, tok, rl_args),
                    ppo.rm_scores(model, prompts, responses, tok, rl_args)):
         assert scores.tolist() == pytest.approx([reference] * 2, abs=1e-5)
 

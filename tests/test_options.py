@@ -56,6 +56,7 @@ def test_help_lists_every_option_where_it_applies():
     ("rm.py", ["--load_in_4bit", "--lora_rank", 8], "needs bitsandbytes on a CUDA GPU, and this machine has none"),
     ("prm.py", ["--use_liger_kernel"], "--use_liger_kernel needs the liger-kernel package"),
     ("sft.py", ["--ds_tensor_parallel_size", 2], "unrecognized arguments: --ds_tensor_parallel_size"),
+    ("ppo.py", ["--no-colocate"], "unrecognized arguments: --no-colocate"),
     ("sft.py", ["--aux_loss_coef", 0.1], "--aux_loss_coef: llama is not a mixture-of-experts model"),
     ("sft.py", ["--lora_rank", 4, "--target_modules", "nope_proj"], "--target_modules nope_proj: "),
     ("rm.py", ["--dataset_probs", "0.5,0.5"], "--dataset_probs has 2 weights for 1 datasets"),
@@ -269,7 +270,8 @@ def test_entropy_bonus_has_a_gradient(policy, rl):
     batch = [(torch.tensor(tok("12+34=")["input_ids"]), torch.tensor([5, 7, 9])),
              (torch.tensor(tok("7+8=")["input_ids"]), torch.tensor([4, 2]))]
     args = script_args(temperature=0.7, packing_samples=False)
-    _, entropy, mask, _ = rl.response_logprobs(model, batch, args, tok.pad_token_id, with_entropy=True)
+    _, entropy, _ = rl.response_logprobs(model, batch, args, tok.pad_token_id, with_entropy=True)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
     assert entropy.requires_grad
     common.masked_mean(entropy, mask).backward()
     assert sum(p.grad.abs().sum().item() for p in model.parameters() if p.grad is not None) > 0

@@ -861,7 +861,8 @@ class VLLMHost:
 
 
 class VLLMEngine(VLLMHost):
-    """--vllm: the engine in the trainer's process; sync hands it the policy's weights after an update."""
+    """--vllm: the engine in the trainer's process; sync hands it the policy's weights after an update. (Apart
+    from VLLMHost because merged_weights needs DeepSpeed, which a Ray actor's node need not have.)"""
 
     def sync(self, model, args):
         self.load_weights(merged_weights(model, args))

@@ -213,40 +213,46 @@ def score(records, responses, reward_fn, tokenizer, args):
     return rewards, scores, {**logs, "stopped": stopped.float()}
 
 
+def sample_groups(prompt_records, generate, reward_fn, tokenizer, args, metrics):
+    """n_samples_per_prompt scored completions of each prompt -> one group per prompt: (records, responses,
+    rewards [n], logs {name: [n]}). Adds the time spent to metrics' generate_s and reward_s."""
+    n = args.n_samples_per_prompt
+    records = [r for r in prompt_records for _ in range(n)]
+    t = time.time()
+    responses = generate([r["ids"] for r in records], args.temperature)
+    metrics["generate_s"] += time.time() - t
+    t = time.time()
+    rewards, scores, logs = score(records, responses, reward_fn, tokenizer, args)
+    metrics["reward_s"] += time.time() - t
+    logs = {"score": scores, **logs}
+    return [(records[g:g + n], responses[g:g + n], rewards[g:g + n], {k: v[g:g + n] for k, v in logs.items()})
+            for g in range(0, len(records), n)]
+
+
 def rollout(stream, generate, reward_fn, tokenizer, args):
     """This rank's share of one step: rollout_batch_size / world prompts, each with n_samples_per_prompt
     scored completions (a group: consecutive samples). -> (records, responses, rewards [N], logs {name: [N]},
-    metrics). --dynamic_filtering (DAPO) drops groups whose mean score is not strictly inside the range and
-    draws more prompts until the share is full; after 10 rounds it is topped up with dropped groups (logged).
-    All ranks run the same rounds (ZeRO-3 generate)."""
-    n, want = args.n_samples_per_prompt, args.rollout_batch_size // dist.get_world_size()
-    lo, hi = args.dynamic_filtering_reward_range
-    kept, dropped = [], []  # groups: (records, responses, rewards, logs) of n samples
-    metrics = dict(generate_s=0.0, reward_s=0.0, rounds=0, groups_dropped=0, groups_topped_up=0)
-    while True:
-        records = [r for r in next(stream) for _ in range(n)]
-        t = time.time()
-        responses = generate([r["ids"] for r in records], args.temperature)
-        metrics["generate_s"] += time.time() - t
-        t = time.time()
-        rewards, scores, logs = score(records, responses, reward_fn, tokenizer, args)
-        metrics["reward_s"] += time.time() - t
-        metrics["rounds"] += 1
-        logs = {"score": scores, **logs}
-        for g in range(0, len(records), n):
-            group = (records[g:g + n], responses[g:g + n], rewards[g:g + n], {k: v[g:g + n] for k, v in logs.items()})
-            informative = lo < scores[g:g + n].double().mean().item() < hi
-            (kept if informative or not args.dynamic_filtering else dropped).append(group)
-        if not common.all_reduce_sum([float(len(kept) < want)])[0]:
-            break
-        if metrics["rounds"] == 10:
-            metrics["groups_topped_up"] = max(want - len(kept), 0)
-            kept += dropped[:want - len(kept)]
-            break
-    metrics["groups_dropped"] = len(dropped)
-    kept = kept[:want]
-    return ([r for g in kept for r in g[0]], [r for g in kept for r in g[1]], torch.cat([g[2] for g in kept]),
-            {k: torch.cat([g[3][k] for g in kept]) for k in logs}, metrics)
+    metrics). --dynamic_filtering (DAPO) keeps only groups whose mean score is strictly inside the range,
+    drawing more prompts until the share is full; after 10 rounds dropped groups top it up (logged). All
+    ranks run the same rounds (ZeRO-3 generate)."""
+    want = args.rollout_batch_size // dist.get_world_size()
+    metrics = dict(generate_s=0.0, reward_s=0.0, rounds=1, groups_dropped=0, groups_topped_up=0)
+    if not args.dynamic_filtering:
+        groups = sample_groups(next(stream), generate, reward_fn, tokenizer, args, metrics)
+    else:
+        lo, hi = args.dynamic_filtering_reward_range
+        kept, dropped, metrics["rounds"] = [], [], 0
+        while True:
+            for group in sample_groups(next(stream), generate, reward_fn, tokenizer, args, metrics):
+                mean_score = group[3]["score"].double().mean().item()
+                (kept if lo < mean_score < hi else dropped).append(group)
+            metrics["rounds"] += 1
+            if metrics["rounds"] == 10 or not common.all_reduce_sum([float(len(kept) < want)])[0]:
+                break
+        metrics.update(groups_dropped=len(dropped), groups_topped_up=max(want - len(kept), 0))
+        groups = (kept + dropped)[:want]
+    return ([r for g in groups for r in g[0]], [r for g in groups for r in g[1]], torch.cat([g[2] for g in groups]),
+            {k: torch.cat([g[3][k] for g in groups]) for k in groups[0][3]}, metrics)
 
 
 # ---------------------------------------------------------------------------------------------- eval
@@ -454,9 +460,9 @@ def main():
 
         # 5. log (means over all ranks), save, eval
         lengths = action_mask.sum(-1).tolist()
-        out = common.all_reduce_means({"reward": rewards.tolist(), **logs, "response_len": lengths,
-                                       "kl": [kl[i, :n].mean().item() for i, n in enumerate(lengths)], **stats,
-                                       **metrics, "_reward_sq": rewards.double() ** 2})
+        out = common.all_reduce_means({"reward": rewards.tolist(), "response_len": lengths,
+                                       "kl": [kl[i, :n].mean().item() for i, n in enumerate(lengths)], **logs,
+                                       **stats, **metrics, "_reward_sq": rewards.double() ** 2})
         out["reward_std"] = math.sqrt(max(out.pop("_reward_sq") - out["reward"] ** 2, 0.0))
         out["lr"] = actor.get_lr()[0]
         totals = {k: v + out[k] for k, v in totals.items()}

@@ -95,8 +95,8 @@ def evaluate(engine, data, tokenizer, args):
     model.eval()
     n = correct = loss_sum = r_sum = r_sq = 0.0
     for batch, real in common.eval_shard(data, args.micro_train_batch_size):  # fillers: run, not counted
-        chosen, rejected = pair_rewards(model, [c for c, _ in batch], [r for _, r in batch], tokenizer.pad_token_id,
-                                        False, engine.device)
+        chosen, rejected = pair_rewards(model, [pair[0] for pair in batch], [pair[1] for pair in batch],
+                                        tokenizer.pad_token_id, False, engine.device)
         real = torch.tensor(real)
         chosen, rejected = chosen.cpu()[real], rejected.cpu()[real]
         n += len(chosen)

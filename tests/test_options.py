@@ -34,6 +34,31 @@ ONLY = {"--pretrain_mode": ("sft.py",), "--aux_loss_coef": ("sft.py", "prm.py", 
                                               "--entropy_loss_coef")}}
 
 
+IMPORT_PROBE = """
+import json, os, sys, warnings
+import torch, transformers
+from transformers import AttentionInterface
+env, filters, level = dict(os.environ), list(warnings.filters), transformers.logging.get_verbosity()
+import common, grpo, ppo, sft, rm, prm, serve_rm
+print(json.dumps({"env": sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)),
+                  "filters": warnings.filters == filters, "verbosity": transformers.logging.get_verbosity() == level,
+                  "packed_sdpa": "packed_sdpa" in AttentionInterface._global_mapping}))
+"""
+
+
+def test_importing_the_scripts_only_defines_things():
+    """A notebook may import grpo.policy_loss: importing common and the scripts sets no environment variable
+    (but DeepSpeed's accelerator, which must precede its import, and what DeepSpeed's import sets itself),
+    adds no warning filter, leaves transformers' verbosity, and registers no attention implementation."""
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    proc = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, cwd=ROOT, env=env,
+                          check=True)
+    probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    deepspeed_own = {"PYTORCH_NVML_BASED_CUDA_CHECK"}  # set by `import deepspeed` itself
+    assert set(probe["env"]) - deepspeed_own <= {"DS_ACCELERATOR"}  # set only where there is no CUDA
+    assert probe["filters"] and probe["verbosity"] and not probe["packed_sdpa"]
+
+
 def test_help_lists_every_option_where_it_applies():
     for script in SCRIPTS:
         out = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True,

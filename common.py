@@ -119,6 +119,8 @@ def parse_args(parser, toy_defaults):
         fail("--load_in_4bit freezes the 4-bit base weights: it trains only with LoRA adapters (--lora_rank)")
     if args.load_in_4bit and args.zero_stage == 3:
         fail("--load_in_4bit cannot be partitioned by ZeRO-3: use --zero_stage 0, 1 or 2")
+    if args.adam_offload and args.zero_stage == 0:  # DeepSpeedCPUAdam asserts on GPU parameters at the first step
+        fail("--adam_offload moves the optimizer state to the CPU through ZeRO: add --zero_stage 1, 2 or 3")
     if args.dataset_probs is not None:
         try:
             args.dataset_probs = [float(p) for p in args.dataset_probs.split(",")]
@@ -150,6 +152,9 @@ def check_rl_options(args):
         fail("--eval_n_samples_per_prompt must be >= 1")
     if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
         fail("--eval_n_samples_per_prompt > 1 needs --eval_temperature > 0 (greedy completions are identical)")
+    if args.load_in_4bit and (args.vllm or args.ray):  # merged_weights would add LoRA deltas to packed uint8
+        fail("--load_in_4bit with --vllm/--ray: the engines would need the 4-bit base dequantised and merged, "
+             "which is not built; generate with HF generate (drop --vllm/--ray) or train LoRA on a bf16 base")
 
 
 # ---------------------------------------------------------------------------------------- distributed
@@ -439,6 +444,8 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
     if zero3:
         _hf_ds_config = transformers.integrations.HfDeepSpeedConfig(ds_cfg)
     if args.flash_attn:
+        if not args.bf16:  # flash-attn has no fp32 kernels: every forward would raise
+            fail("--flash_attn runs in bf16 only: add --bf16")
         try:
             import flash_attn  # noqa: F401
         except ImportError:

@@ -268,10 +268,9 @@ def evaluate(eval_records, generate, reward_fn, tokenizer, args):
     rewards, _, logs = score(records, responses, reward_fn, tokenizer, args)
     real = torch.tensor(real)
     per_prompt = {k: v.reshape(-1, n)[real] for k, v in {"reward": rewards, **dict(sorted(logs.items()))}.items()}
-    metrics = common.all_reduce_means(per_prompt)
-    if n > 1:
-        metrics[f"pass@{n}"] = common.all_reduce_means({"best": per_prompt["reward"].max(-1).values})["best"]
-    return metrics
+    if n > 1:  # a mean over prompts, not completions: all_reduce_means counts each name's own values
+        per_prompt[f"pass@{n}"] = per_prompt["reward"].max(-1).values
+    return common.all_reduce_means(per_prompt)
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -228,11 +228,9 @@ def evaluate(eval_records, generate, reward_fn, eval_fn, tokenizer, args):
         per_prompt.update(rule_reward=rule_rewards, **logs)
     real = torch.tensor(real)
     per_prompt = {k: v.reshape(-1, n)[real] for k, v in per_prompt.items()}
-    metrics = common.all_reduce_means(per_prompt)
-    if n > 1:
-        best = per_prompt["rule_reward" if eval_fn is not None else "reward"].max(-1).values
-        metrics[f"pass@{n}"] = common.all_reduce_means({"best": best})["best"]
-    return metrics
+    if n > 1:  # a mean over prompts, not completions: all_reduce_means counts each name's own values
+        per_prompt[f"pass@{n}"] = per_prompt["rule_reward" if eval_fn is not None else "reward"].max(-1).values
+    return common.all_reduce_means(per_prompt)
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -413,8 +411,9 @@ def main():
         stats = {k: [] for k in ("policy_loss", "clip_frac", "entropy", "value_loss", "value_clip_frac")}
         for _ in range(args.max_epochs):
             for mb in torch.randperm(len(batch)).split(args.micro_train_batch_size):
+                pairs = [batch[j] for j in mb]
                 if train_actor:
-                    logprobs, entropy, aux_loss = response_logprobs(actor, [batch[j] for j in mb], args, pad_id,
+                    logprobs, entropy, aux_loss = response_logprobs(actor, pairs, args, pad_id,
                                                                     with_entropy=True)  # [b, T]
                     T, device = logprobs.size(1), logprobs.device
                     mask, old = action_mask[mb, :T].to(device), old_logprobs[mb, :T].to(device)
@@ -431,7 +430,7 @@ def main():
                     stats["clip_frac"].append(common.masked_mean(((ratio - 1).abs() > args.eps_clip).float(),
                                                                  mask).item())
                     stats["entropy"].append(common.masked_mean(entropy.detach(), mask).item())
-                new_values = critic_values(critic, [batch[j] for j in mb], args, pad_id)  # [b, T]
+                new_values = critic_values(critic, pairs, args, pad_id)  # [b, T]
                 T, device = new_values.size(1), new_values.device
                 mask, old = action_mask[mb, :T].to(device), values[mb, :T].to(device)
                 loss = value_loss(new_values, old, returns[mb, :T].to(device), mask, args.value_clip)

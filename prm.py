@@ -157,7 +157,7 @@ def evaluate(engine, data, reward_ids, placeholder_id, pad_id, args):
     model.eval()
     steps = step_correct = solutions = solution_correct = loss_sum = 0.0
     for batch, real in common.eval_shard(data, args.micro_train_batch_size):
-        ids, mask, pos = common.batch_sequences([ids for ids, _ in batch], pad_id, False)
+        ids, mask, pos = common.batch_sequences([x for x, _ in batch], pad_id, False)
         logits = model(input_ids=ids.to(engine.device), attention_mask=mask.to(engine.device),
                        position_ids=pos.to(engine.device), use_cache=False).logits
         for row, ((seq_ids, labels), keep) in enumerate(zip(batch, real)):

@@ -365,10 +365,22 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     - A branch starts where they jump back to some p > 0: it continues the first p tokens of its sequence
       instead of the tokens just before it, so it attends to those p and causally to itself. grpo.py packs a
       group this way: the prompt once, each further response branching off it.
+    - With a sliding window (Mistral, Gemma's local layers) a query sees only the last `window` keys.
     Anything that is not a packed row (padded batches, generation) goes to sdpa."""
     if position_ids is None or query.size(0) != 1 or query.size(2) != key.size(2):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    window = kwargs.get("sliding_window")
+
+    def causal(q_len, k_len):
+        """Query i sees keys up to k_len - q_len + i: causal, aligned to the bottom right (flash kernels on
+        GPU, GQA too); with the window only the last `window` of them (transformers' sliding_window_overlay)."""
+        if window is None or k_len <= window:
+            return causal_lower_right(q_len, k_len)
+        i = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
+        j = torch.arange(k_len, device=query.device)[None]
+        return (j <= i) & (j > i - window)
+
     pos = position_ids[0]
     cuts = torch.cat([pos.new_zeros(1), (pos[1:] != pos[:-1] + 1).nonzero().flatten() + 1])
     cuts, starts = torch.stack([cuts, pos[cuts]]).tolist()  # where each piece starts, and its first position
@@ -380,7 +392,8 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     for cut, p, q, k, v in zip(cuts, starts, query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2)):
         if p == 0:
             head = (k, v)
-            outs.append(sdpa(q, k, v, is_causal=True))
+            outs.append(sdpa(q, k, v, is_causal=True) if window is None or q.size(2) <= window else
+                        sdpa(q, k, v, attn_mask=causal(q.size(2), q.size(2))))
             continue
         if head is None:
             raise ValueError(f"packed row: positions start at {p} at token {cut}, with no sequence before it")
@@ -388,16 +401,27 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
             raise ValueError(f"packed row: positions jump to {p} at token {cut}, but the sequence before it "
                              f"starts with {head[0].size(2)} unbranched tokens")
         prefix_k, prefix_v = (x if p == x.size(2) else x[:, :, :p] for x in head)
-        # query i sees keys up to p + i: causal, aligned to the bottom right (flash kernels on GPU, GQA too)
         outs.append(sdpa(q, torch.cat([prefix_k, k], 2), torch.cat([prefix_v, v], 2),
-                         attn_mask=causal_lower_right(q.size(2), p + q.size(2))))
+                         attn_mask=causal(q.size(2), p + q.size(2))))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def packed_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
+    """The mask packed_sdpa is given. A causal row without padding or cache (a packed row, or one sequence)
+    gets none: packed_sdpa reads the pieces from position_ids, and plain sdpa is causal without a mask.
+    Building transformers' block-diagonal [1, 1, T, T] mask for it would cost T^2 (1 GiB at 32k tokens, kept
+    alive by gradient checkpointing) for nothing. Anything else (sliding windows included: local_size) gets
+    sdpa's mask."""
+    if (batch_size == 1 and attention_mask is None and q_length == kv_length and q_offset == kv_offset == 0
+            and kwargs.get("local_size") is None):
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask, **kwargs)
 
 
 def register_packed_sdpa():
     """Make attn_implementation="packed_sdpa" loadable (load_model does it for --packing_samples)."""
     transformers.AttentionInterface.register("packed_sdpa", packed_sdpa)
-    AttentionMaskInterface.register("packed_sdpa", sdpa_mask)  # the mask sdpa gets, for what is not a packed row
+    AttentionMaskInterface.register("packed_sdpa", packed_sdpa_mask)
 
 
 @contextlib.contextmanager

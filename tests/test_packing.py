@@ -1,5 +1,7 @@
 """Packing and last-token scoring: packed, left-padded and right-padded layouts give what each
 sequence gives alone, and our reward equals stock AutoModelForSequenceClassification's."""
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -47,15 +49,19 @@ def test_packed_and_padded_logits_equal_each_sequence_alone(toy_world, sequences
         offset += len(s)
 
 
-def twin_models(toy_world, kv_heads):
-    """The same random weights with the stock eager attention and with common.packed_sdpa."""
-    from transformers import AutoConfig
+def twin_models(toy_world, kv_heads, sliding_window=None):
+    """The same random weights with the stock eager attention and with common.packed_sdpa; with a sliding
+    window the toy's Llama becomes a Mistral (same weights' shapes, attention limited to the last keys)."""
+    from transformers import AutoConfig, MistralConfig
 
     config = AutoConfig.from_pretrained(toy_world / "model", num_key_value_heads=kv_heads or 4)
+    if sliding_window:
+        config = MistralConfig(**{k: v for k, v in config.to_dict().items() if k != "model_type"},
+                               sliding_window=sliding_window)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     common.register_packed_sdpa()
-    packed_model = AutoModelForCausalLM.from_config(config, attn_implementation="packed_sdpa")
+    packed_model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="packed_sdpa")
     packed_model.load_state_dict(model.state_dict())
     return model, packed_model
 
@@ -107,6 +113,42 @@ def test_packed_sdpa_branches_attend_to_their_prefix(toy_world, sequences, kv_he
         packed_model(input_ids=a[None, :6], position_ids=torch.tensor([[0, 1, 2, 5, 6, 7]]), use_cache=False)
     with pytest.raises(ValueError, match="positions start at 2 at token 0, with no sequence before it"):
         packed_model(input_ids=a[None, :3], position_ids=torch.tensor([[2, 3, 4]]), use_cache=False)
+
+
+def test_packed_sdpa_keeps_a_sliding_window(toy_world, sequences):
+    """With a sliding window of 4 (shorter than most pieces) packed sequences and branches still give the
+    logits and gradients of each run alone by the stock eager attention, which applies the window."""
+    model, packed_model = twin_models(toy_world, None, sliding_window=4)
+    a, b1, b2, c = sequences[3], sequences[0], sequences[5], sequences[4]
+    assert_packed_row_equals_alone(model, packed_model, [(a, 0), (b1, 4), (b2, 12), (c, 0)],
+                                   [a[:0], a[:4], a, c[:0]])
+
+
+def test_packed_rows_get_no_mask(toy_world, sequences, tokenizer, monkeypatch):
+    """transformers would build a [1, 1, T, T] block-diagonal mask for every packed forward that packed_sdpa
+    never reads: the mask function registered with it returns None for a packed row (and the logits are
+    those of each sequence alone), but still sdpa's mask for a padded batch."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    model, packed_model = twin_models(toy_world, None)
+    masks = []
+    registered = ALL_MASK_ATTENTION_FUNCTIONS["packed_sdpa"]
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "packed_sdpa",
+                        lambda *a, **kw: masks.append(registered(*a, **kw)) or masks[-1])
+    with torch.no_grad():
+        ids, _, pos = common.batch_sequences(sequences, tokenizer.pad_token_id, packing=True)
+        packed = packed_model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+        assert masks and all(m is None for m in masks)
+        offset = 0
+        for s in sequences:
+            torch.testing.assert_close(packed[offset:offset + len(s)], model(input_ids=s[None]).logits[0],
+                                       atol=1e-5, rtol=0)
+            offset += len(s)
+        masks.clear()
+        ids, mask, pos = common.batch_sequences(sequences, tokenizer.pad_token_id, packing=False)
+        packed_model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+        assert masks and all(m is not None and m.shape == (len(sequences), 1, ids.size(1), ids.size(1))
+                             for m in masks)
 
 
 @torch.no_grad()

@@ -545,12 +545,12 @@ def load_frozen(path, args, tokenizer, cfg, offload=False, **kwargs):
     """A frozen model (reference policy, reward model). Under ZeRO-3 it is partitioned like the policy and
     wrapped in an optimizer-less DeepSpeed engine that gathers its weights per forward. With `offload` its
     partitions (ZeRO-3) or the whole model (else; see on_accelerator) wait on the CPU between uses."""
+    if args.zero_stage == 3 and offload:  # before loading: from_pretrained partitions onto where cfg says
+        cfg = dict(cfg, zero_optimization=dict(cfg["zero_optimization"], offload_param={
+            "device": "cpu", "pin_memory": torch.cuda.is_available()}))
     model = load_model(path, args, tokenizer, cfg, trainable=False, **kwargs).eval().requires_grad_(False)
     disable_dropout(model)
     if args.zero_stage == 3:
-        cfg = dict(cfg, zero_optimization=dict(cfg["zero_optimization"]))
-        if offload:
-            cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         engine, *_ = deepspeed.initialize(model=model, config=cfg)
         return engine.module
     return model if offload else model.to("cuda" if torch.cuda.is_available() else "cpu")

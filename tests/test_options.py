@@ -392,3 +392,37 @@ def test_bf16_on_a_cpu_that_emulates_it_warns_once_with_its_cost(monkeypatch, ca
         lines = warnings(False, argv + ["--bf16"], entry)
         assert len(lines) == 1 and "GFLOP/s" in lines[0] and "drop --bf16 to run in fp32" in lines[0], (name, lines)
         assert warnings(True, argv + ["--bf16"], entry) == [] and warnings(False, argv, entry) == [], name
+
+
+OFFLOAD_PROBE = """
+import json, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+import common, deepspeed, torch
+from conftest import script_args
+from transformers import AutoTokenizer
+
+partitions = []  # where each zero.Init that from_pretrained opens stores the partitions: the accelerator (local,
+init = deepspeed.zero.Init.__init__  # a torch.device) or the offload device named in the config
+deepspeed.zero.Init.__init__ = lambda self, *a, **kw: init(self, *a, **kw) or partitions.append(
+    "local" if isinstance(self.remote_device, torch.device) else f"offload:{self.remote_device}")
+args = script_args(zero_stage=3, train_batch_size=1, micro_train_batch_size=1)
+common.init_distributed(args)
+out = {}
+for offload in (False, True):
+    model = common.load_frozen(sys.argv[2], args, AutoTokenizer.from_pretrained(sys.argv[2]), common.ds_config(args),
+                               offload=offload)
+    out[str(offload)] = partitions[:]
+    partitions.clear()
+print(json.dumps(out))
+"""
+
+
+def test_ref_reward_offload_reaches_from_pretrained_under_zero3(policy):
+    """--ref_reward_offload under ZeRO-3: the offload setting is in the config from_pretrained partitions
+    with, so the frozen models' partitions are stored on the CPU from the start (DeepSpeed does not move
+    partitioned weights later); without it they stay on the accelerator (here the CPU itself)."""
+    proc = subprocess.run([sys.executable, "-c", OFFLOAD_PROBE, str(ROOT), str(policy)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    where = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert where == {"False": ["local"], "True": ["offload:cpu"]}

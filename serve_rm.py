@@ -156,9 +156,10 @@ def score_batch(model, batch, args, pad_id):
     if args.rm_type == "seq_cls":
         rewards = model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
         return ((rewards - args.mean) / args.std).tolist()
+    if args.rm_type == "causal_lm_token":  # only each last token reaches the LM head: [B, 1, V], not [B, T, V]
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=last[:, None]).logits
+        return logits[:, 0, args.reward_token_id].float().tolist()
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    if args.rm_type == "causal_lm_token":
-        return logits[torch.arange(len(batch)), last, args.reward_token_id].float().tolist()
     cfg = model.config  # prm: P(first reward token) at each placeholder
     probs = torch.softmax(logits[..., cfg.reward_token_ids].float(), -1)[..., 0]
     return [probs[i][(ids[i] == cfg.placeholder_token_id) & mask[i].bool()].tolist() for i in range(len(batch))]
@@ -169,9 +170,9 @@ def load(args):
     tokenizer = common.load_tokenizer(args.reward_pretrain, args)
     kwargs = {"model_class": AutoModelForSequenceClassification, "num_labels": 1} if args.rm_type == "seq_cls" \
         else {"model_class": AutoModelForCausalLM}
+    if torch.cuda.is_available() and not args.load_in_4bit:  # bitsandbytes places 4-bit weights itself
+        kwargs["device_map"] = "cuda"  # loaded straight onto the GPU, not first into CPU memory
     model = common.load_model(args.reward_pretrain, args, tokenizer, trainable=False, **kwargs).eval()
-    if not args.load_in_4bit:  # bitsandbytes places 4-bit weights itself
-        model.to("cuda" if torch.cuda.is_available() else "cpu")
     if args.rm_type == "prm" and not hasattr(model.config, "placeholder_token_id"):
         common.fail(f"{args.reward_pretrain} has no placeholder_token_id in its config: not a prm.py model")
     if args.rm_type == "causal_lm_token" and args.reward_token_id is None:

@@ -335,11 +335,12 @@ def vllm_greedy(policy, prompts):
 
     args = argparse.Namespace(pretrain=policy, seed=0, bf16=False, prompt_max_len=32, generate_max_len=12,
                               trust_remote_code=False, vllm_gpu_memory_utilization=0.3, top_p=1.0,
-                              vllm_tensor_parallel_size=1, enable_prefix_caching=False, zero_stage=0)
+                              vllm_tensor_parallel_size=1, enable_prefix_caching=False, zero_stage=0,
+                              enforce_eager=False)
     common.init_distributed(args)
     tok = AutoTokenizer.from_pretrained(policy)
     model = AutoModelForCausalLM.from_pretrained(policy).eval()
-    engine = common.VLLMEngine(args, model.config.vocab_size, model.config.tie_word_embeddings)
+    engine = common.VLLMEngine(args, model)
     engine.sync(model, args)
     out = grpo.generate_vllm(engine, [torch.tensor(p) for p in json.loads(prompts)], args, tok.eos_token_id, 0.0)
     print(json.dumps([o.tolist() for o in out]))

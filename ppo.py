@@ -144,8 +144,9 @@ def response_logprobs(model, batch, args, pad_id, with_entropy=False, entropy_gr
     (differentiable, the bonus; with entropy_grad=False only a metric, computed without a graph), and the
     forward's MoE router loss (None unless --aux_loss_coef turned it on)."""
     inputs, where = common.response_inputs(model, batch, pad_id, args.packing_samples)  # padded or packed
-    out = model(**inputs, logits_to_keep=common.response_logits_to_keep(inputs, where, args.packing_samples))
-    logits = out.logits.view(-1, out.logits.size(-1))  # [sum R, V]: the ones that predicted each response token
+    keep, where = common.response_logits_to_keep(inputs, where)
+    out = model(**inputs, logits_to_keep=keep)
+    logits = out.logits[where]  # [sum R, V]: the logits one position before each response token, which predicted it
     logp, entropy = token_logprobs(logits, torch.cat([r for _, r in batch]).to(logits.device), args.temperature,
                                    with_entropy, entropy_grad)
     lengths = [len(r) for _, r in batch]

@@ -156,9 +156,10 @@ def score_batch(model, batch, args, pad_id):
     if args.rm_type == "seq_cls":
         rewards = model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
         return ((rewards - args.mean) / args.std).tolist()
-    if args.rm_type == "causal_lm_token":  # only each last token reaches the LM head: [B, 1, V], not [B, T, V]
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=last[:, None]).logits
-        return logits[:, 0, args.reward_token_id].float().tolist()
+    if args.rm_type == "causal_lm_token":  # only the last tokens' columns reach the LM head, not all T of them
+        keep, col = torch.unique(last, return_inverse=True)  # a 1-D index: what every model's forward takes
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=keep).logits
+        return logits[torch.arange(len(batch)), col, args.reward_token_id].float().tolist()
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     cfg = model.config  # prm: P(first reward token) at each placeholder
     probs = torch.softmax(logits[..., cfg.reward_token_ids].float(), -1)[..., 0]

@@ -58,7 +58,10 @@ def test_response_logprobs_match_a_float64_reference(policy, batch, rl, packing,
     model.get_output_embeddings().register_forward_hook(lambda m, inp, out: head_rows.append(inp[0].numel()))
     args = script_args(packing_samples=packing, temperature=TEMPERATURE)
     logp, entropy, _ = rl.response_logprobs(model, pairs, args, pad_id, with_entropy=True)
-    assert head_rows == [n_rows * model.config.hidden_size]
+    # packed: exactly the response rows; padded: every row's columns from the earliest response on
+    total = max(len(p) + len(r) for p, r in pairs)
+    kept = n_rows if packing else len(pairs) * (total - min(len(p) - 1 for p, r in pairs if len(r)))
+    assert kept < len(pairs) * total and head_rows == [kept * model.config.hidden_size]
     mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(r), dtype=torch.bool) for _, r in pairs], batch_first=True)
     assert logp.shape == entropy.shape == mask.shape and not logp[~mask].any() and not entropy[~mask].any()
 

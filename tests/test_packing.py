@@ -124,13 +124,14 @@ def test_packed_sdpa_keeps_a_sliding_window(toy_world, sequences):
                                    [a[:0], a[:4], a, c[:0]])
 
 
-def test_packed_rows_get_no_mask(toy_world, sequences, tokenizer, monkeypatch):
+@pytest.mark.parametrize("window", [None, 4])
+def test_packed_rows_get_no_mask(toy_world, sequences, tokenizer, monkeypatch, window):
     """transformers would build a [1, 1, T, T] block-diagonal mask for every packed forward that packed_sdpa
     never reads: the mask function registered with it returns None for a packed row (and the logits are
-    those of each sequence alone), but still sdpa's mask for a padded batch."""
+    those of each sequence alone, also with a sliding window), but still sdpa's mask for a padded batch."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    model, packed_model = twin_models(toy_world, None)
+    model, packed_model = twin_models(toy_world, None, sliding_window=window)
     masks = []
     registered = ALL_MASK_ATTENTION_FUNCTIONS["packed_sdpa"]
     monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "packed_sdpa",

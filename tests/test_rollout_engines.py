@@ -47,25 +47,6 @@ def test_in_process_vllm_on_two_ranks(policy, eval_file, tp):
     assert out["engine_seeds"] == ([0, 1] if tp == 1 else [0, 0])  # an engine's ranks sample alike
 
 
-def test_weights_for_a_ray_executor_are_picklable():
-    """A Ray actor's engine with tensor parallelism hands reload_weights to vLLM's Ray workers, which pickles
-    its arguments: what RayEngine.receive_weights passes must pickle (a generator would not)."""
-    import pickle
-
-    import common
-
-    calls = []
-    host = common.VLLMHost.__new__(common.VLLMHost)  # no engine: only what load_weights hands to it
-    host.tied = False
-    host.llm = type("LLM", (), {"collective_rpc": lambda self, *a, **kw: calls.append(pickle.dumps(kw)),
-                                "reset_prefix_cache": lambda self: None})()
-    host.load_weights([("w", torch.ones(2)), ("b", torch.zeros(1))])
-    names = [n for n, _ in pickle.loads(calls[0])["kwargs"]["weights_iterator"]]
-    assert names == ["w", "b"]
-    with pytest.raises(TypeError):  # the check can fail: what the in-process engine used to hand over
-        host.load_weights((n, t) for n, t in [("w", torch.ones(2))])
-
-
 def test_a_local_ray_cluster_gets_only_the_gpus_the_trainer_leaves(monkeypatch):
     """On a CUDA machine rank 0 starts a local Ray cluster on the visible GPUs after its node's trainer
     processes' (one per local rank, from the first), and stops with one line when too few are left or the
@@ -76,16 +57,16 @@ def test_a_local_ray_cluster_gets_only_the_gpus_the_trainer_leaves(monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 4)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert common.free_gpus(script_args(vllm_num_engines=2, vllm_tensor_parallel_size=2)) == ["4", "5", "6", "7"]
+    assert common.free_gpus(script_args(vllm_num_engines=4)) == ["4", "5", "6", "7"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7,0")  # numbered as CUDA_VISIBLE_DEVICES names them
-    assert common.free_gpus(script_args(vllm_num_engines=1, vllm_tensor_parallel_size=1)) == ["0"]
+    assert common.free_gpus(script_args(vllm_num_engines=1)) == ["0"]
     for env, engines, message in [({}, 2, "the engines need 2 GPUs of their own, and the trainer's 4 processes "
                                             "leave 1 of the 5 visible"),
                                   ({"LOCAL_WORLD_SIZE": "2"}, 1, "--ray over several nodes needs a Ray cluster")]:
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         with pytest.raises(SystemExit, match=re.escape(message)):
-            common.free_gpus(script_args(vllm_num_engines=engines, vllm_tensor_parallel_size=1))
+            common.free_gpus(script_args(vllm_num_engines=engines))
 
 
 def free_port():

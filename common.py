@@ -153,6 +153,8 @@ def check_rl_options(args):
         fail("--eval_n_samples_per_prompt must be >= 1")
     if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
         fail("--eval_n_samples_per_prompt > 1 needs --eval_temperature > 0 (greedy completions are identical)")
+    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
+        fail(f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization}: a share of the GPU, in (0, 1]")
     if args.ray and args.vllm_tensor_parallel_size > 1:  # the actor receiving the broadcast needs a GPU of its own
         fail("--ray engines have one GPU each (--vllm_tensor_parallel_size 1): more engines, or --vllm with "
              "tensor parallelism")
@@ -980,7 +982,10 @@ class RayEngine(VLLMHost):
 
     def start(self):
         args, vocab_size, tied, seed = self.host_args
-        super().__init__(args, vocab_size, tied, seed=seed, memory=0.9)  # the GPU is the engine's alone
+        try:
+            super().__init__(args, vocab_size, tied, seed=seed, memory=0.9)  # the GPU is the engine's alone
+        except Exception as e:  # back to the trainer as one line: not every exception pickles (pydantic's)
+            raise RuntimeError(" ".join(f"{type(e).__name__}: {e}".split())[:400]) from None
 
     def join_weight_group(self, address, port, rank, world):
         self.group = weight_group(address, port, rank, world)
@@ -1045,8 +1050,6 @@ class RayEngines:
     rank generates on one engine (rank modulo engines)."""
 
     def __init__(self, args, model):
-        import ray
-
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         names = [f"vllm_engine_{i}" for i in range(args.vllm_num_engines)]
         trainer_gpus = [None] * dist.get_world_size()
@@ -1055,6 +1058,8 @@ class RayEngines:
         gpus = free_gpus(args) if start_local and torch.cuda.is_available() else None  # every rank: fails alike
         address = [None, None, None]  # the cluster's address, its auth mode, what went wrong
         if dist.get_rank() == 0:
+            import ray
+
             ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import us
             if gpus:
                 console.print(f"starting a local Ray cluster on GPUs {','.join(gpus)} (as CUDA_VISIBLE_DEVICES "
@@ -1078,6 +1083,8 @@ class RayEngines:
         if dist.get_rank() != 0:
             if address[1]:
                 os.environ["RAY_AUTH_MODE"] = address[1]  # read when ray is imported
+            import ray
+
             ray.init(address=address[0], namespace="rlhf-minimal")
             self.engines = [ray.get_actor(name) for name in names]
             return
@@ -1100,9 +1107,8 @@ class RayEngines:
                 return ("--ray: a vLLM engine got a GPU a trainer process uses; start the Ray cluster with the "
                         "engines' GPUs only (CUDA_VISIBLE_DEVICES, README)")
             ray.get([e.start.remote() for e in self.engines])
-        except ray.exceptions.RayError as e:
-            lines = [line for line in str(e).splitlines() if line.strip()]
-            return f"--ray: a vLLM engine failed to start: {lines[-1] if lines else type(e).__name__}"
+        except ray.exceptions.RayError as e:  # the engine's own exception, in one line
+            return f"--ray: a vLLM engine failed to start: {getattr(e, 'cause', None) or e}"
         return None
 
     def generate(self, prompts, **sampling):

@@ -79,6 +79,18 @@ def test_grpo_ray_two_processes_zero3(policy, eval_file, tmp_path):
     assert last_logged(proc.stdout + proc.stderr, "vllm_sync_s") > 0
 
 
+def test_grpo_ray_engine_failing_to_start_stops_every_rank(policy, tmp_path):
+    """A Ray engine that cannot start (here: prompt + completion longer than the toy model's 512 positions,
+    which vLLM refuses) stops both ranks with vLLM's reason in one line, instead of rank 0 raising and the
+    other waiting in a collective."""
+    proc = run_script("grpo.py", *STEP, "--pretrain", policy, "--ray", "--generate_max_len", 600,
+                      "--save_path", tmp_path / "bad", nproc=2, timeout=300, check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and all("--ray: a vLLM engine failed to start: " in e and "max_model_len" in e
+                                    for e in errors), errors
+
+
 def test_grpo_reward_model(policy, eval_file, tmp_path):
     """--reward_pretrain: the reported eval reward equals the stock classifier's mean score of the saved
     policy's greedy completions (prompt + completion + EOS, one at a time)."""

@@ -88,6 +88,7 @@ def test_help_lists_every_option_where_it_applies():
     ("grpo.py", ["--enforce_eager"], "--enforce_eager is a vLLM option: add --vllm or --ray"),
     ("grpo.py", ["--vllm", "--vllm_tensor_parallel_size", 2], "--vllm_tensor_parallel_size 2 must divide the 1 "
                                                               "processes (each 2 share an engine)"),
+    ("grpo.py", ["--vllm", "--vllm_gpu_memory_utilization", 2], "--vllm_gpu_memory_utilization 2.0: a share of"),
     ("ppo.py", ["--remote_rm_url", ROOT / "toy.py", "--ray", "--vllm_tensor_parallel_size", 2],
      "--ray engines have one GPU each (--vllm_tensor_parallel_size 1)"),
     ("sft.py", ["--aux_loss_coef", 0.1], "--aux_loss_coef: llama is not a mixture-of-experts model"),

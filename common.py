@@ -159,7 +159,7 @@ def check_rl_options(args):
         fail("--ray engines have one GPU each (--vllm_tensor_parallel_size 1): more engines, or --vllm with "
              "tensor parallelism")
     tp, world = args.vllm_tensor_parallel_size, int(os.environ.get("WORLD_SIZE", 1))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
+    local = local_world_size(world)
     if args.vllm and (world % tp or local % tp):  # an engine's ranks are consecutive ones on one node
         fail(f"--vllm_tensor_parallel_size {tp} must divide the {world} processes (each {tp} share an engine) "
              f"and the {local} on each node")
@@ -169,14 +169,23 @@ def check_rl_options(args):
 
 
 # ---------------------------------------------------------------------------------------- distributed
+def free_port(host="127.0.0.1"):
+    """A TCP port free on `host` now ("": on every interface)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def local_world_size(world):
+    """Processes on this node: torchrun's LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE, else `world`."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
+
+
 def init_distributed(args):
     """Works under `deepspeed`, `torchrun` and plain `python` (then as a world of one)."""
     if "RANK" not in os.environ:  # plain python: be rank 0 of 1 instead of falling back to MPI
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
+                          MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
@@ -184,8 +193,7 @@ def init_distributed(args):
     else:
         keep_freed_memory()
         if "OMP_NUM_THREADS" not in os.environ:  # the deepspeed launcher leaves every rank all cores
-            per_rank = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_rank))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size(dist.get_world_size())))
     set_seed(args.seed)
     return dist.get_rank(), dist.get_world_size()
 
@@ -881,9 +889,10 @@ def start_rollout_engine(args, model):
 class VLLMHost:
     """A vLLM engine in this process (the trainer's, or a Ray actor's). It starts on dummy weights and is
     handed the policy's as tensors, so it never rereads the checkpoint and tokens added to the vocabulary
-    just work. `backend`: vLLM's distributed_executor_backend."""
+    just work. `memory`: the GPU share unless --vllm_gpu_memory_utilization gives one; `backend`: vLLM's
+    distributed_executor_backend."""
 
-    def __init__(self, args, vocab_size, tied_embeddings, backend=None, seed=None, memory=0.9):
+    def __init__(self, args, vocab_size, tied_embeddings, seed, memory, backend=None):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: weights handed over as tensors
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if not torch.cuda.is_available():
@@ -893,7 +902,7 @@ class VLLMHost:
         self.tied = tied_embeddings
         rng = torch.get_rng_state()  # LLM() reseeds torch's global RNG: keep ours (restored on resume)
         self.llm = LLM(model=args.pretrain, load_format="dummy", hf_overrides={"vocab_size": vocab_size},
-                       dtype="bfloat16" if args.bf16 else "float32", seed=args.seed if seed is None else seed,
+                       dtype="bfloat16" if args.bf16 else "float32", seed=seed,
                        enforce_eager=args.enforce_eager or not torch.cuda.is_available(),  # CUDA graphs on GPU
                        max_model_len=args.prompt_max_len + args.generate_max_len,
                        trust_remote_code=args.trust_remote_code,
@@ -937,10 +946,10 @@ class VLLMEngine(VLLMHost):
         # one seed per engine: the ranks of an engine must sample alike, the engines must not
         super().__init__(args, model.config.vocab_size, model.config.tie_word_embeddings,
                          backend="external_launcher", seed=args.seed + dist.get_rank() // tp, memory=0.3)
-        # every rank creates every group, as torch.distributed asks
-        groups = [dist.new_group(list(range(r, r + tp)), backend="gloo") for r in range(0, world, tp)] \
-            if tp > 1 else None
-        self.tp_group = groups[dist.get_rank() // tp] if tp > 1 else None
+        self.tp_group = None
+        if tp > 1:  # every rank creates every group, as torch.distributed asks
+            groups = [dist.new_group(list(range(r, r + tp)), backend="gloo") for r in range(0, world, tp)]
+            self.tp_group = groups[dist.get_rank() // tp]
 
     def generate(self, prompts, **sampling):
         if self.tp_group is None:
@@ -963,9 +972,9 @@ def _repack_lm_head(worker):
     lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
-def gpu_uuid(worker=None):
+def gpu_uuid():
     """The UUID of this process's GPU (None on a CPU): the same device has the same UUID whatever
-    CUDA_VISIBLE_DEVICES numbers it. Called on vLLM's workers (collective_rpc) too."""
+    CUDA_VISIBLE_DEVICES numbers it."""
     return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid) \
         if torch.cuda.is_available() else None
 
@@ -1028,11 +1037,11 @@ def weight_group(address, port, rank, world):
 
 def free_gpus(args):
     """Starting a local Ray cluster on a CUDA machine: the GPUs it may use, the ones this node's trainer
-    processes do not (they take the first visible ones, one per local rank: torchrun's LOCAL_WORLD_SIZE,
-    the deepspeed launcher's LOCAL_SIZE; that launcher also hides the GPUs it was not asked for)."""
+    processes do not (they take the first visible ones, one per local rank; the deepspeed launcher also
+    hides the GPUs it was not asked for)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     visible = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    trainer = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dist.get_world_size())))
+    trainer = local_world_size(dist.get_world_size())
     if trainer != dist.get_world_size():
         fail("--ray over several nodes needs a Ray cluster started beforehand: pass --ray_address (README)")
     if len(visible) - trainer < args.vllm_num_engines:
@@ -1088,10 +1097,7 @@ class RayEngines:
             ray.init(address=address[0], namespace="rlhf-minimal")
             self.engines = [ray.get_actor(name) for name in names]
             return
-        host = ray.util.get_node_ip_address()  # where the engines reach this process
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
+        host, port = ray.util.get_node_ip_address(), free_port("")  # where the engines reach this process
         world = 1 + len(self.engines)
         joined = [e.join_weight_group.remote(host, port, 1 + i, world) for i, e in enumerate(self.engines)]
         self.group = weight_group(host, port, 0, world)

@@ -1,7 +1,6 @@
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -50,9 +49,7 @@ def script_args(**flags):
 def run_script(script, *args, nproc=1, launcher="torchrun", cwd=None, timeout=600, check=True):
     """Run one of our scripts as a user would: `python script.py`, or with N processes under
     `torchrun` or the `deepspeed` launcher."""
-    with socket.socket() as s:  # a free port: torchrun's --master_port=0 hangs the gloo rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = common.free_port()  # torchrun's --master_port=0 hangs the gloo rendezvous
     if nproc == 1:
         cmd = [sys.executable, str(ROOT / script)]
     elif launcher == "torchrun":

@@ -14,6 +14,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import ROOT
 
+# after conftest, which puts the repository on sys.path: this file also runs as a script (backend_parity)
+import common  # noqa: E402
+
 
 @pytest.mark.parametrize("script, backend, lora", [("grpo", "vllm", 0), ("grpo", "ray", 0), ("ppo", "vllm", 0),
                                                    ("ppo", "ray", 0), ("grpo", "vllm", 1), ("ppo", "ray", 1)])
@@ -38,7 +41,7 @@ def test_in_process_vllm_on_two_ranks(policy, eval_file, tp):
     are one engine: each still gets the completions of its own prompts (half the eval set each), and the
     weights synced in (whole, to both) give HF's log-probs. Same checks as above, over both ranks."""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={free_port()}", __file__, str(policy), str(eval_file), "grpo", "vllm",
+                           f"--master_port={common.free_port()}", __file__, str(policy), str(eval_file), "grpo", "vllm",
                            "0", str(tp)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -51,7 +54,6 @@ def test_a_local_ray_cluster_gets_only_the_gpus_the_trainer_leaves(monkeypatch):
     """On a CUDA machine rank 0 starts a local Ray cluster on the visible GPUs after its node's trainer
     processes' (one per local rank, from the first), and stops with one line when too few are left or the
     trainer spans nodes (that needs a cluster started beforehand)."""
-    import common
     from conftest import script_args
 
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 4)
@@ -69,14 +71,6 @@ def test_a_local_ray_cluster_gets_only_the_gpus_the_trainer_leaves(monkeypatch):
             common.free_gpus(script_args(vllm_num_engines=engines))
 
 
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("script, attention", [("grpo", "sdpa"), ("ppo", "sdpa"), ("grpo", "packed_sdpa")])
 def test_hf_generate_prefills_a_repeated_prompt_once(policy, script, attention):
     """HF generate prefills a prompt repeated in a chunk once: greedy completions equal each prompt's
@@ -85,7 +79,6 @@ def test_hf_generate_prefills_a_repeated_prompt_once(policy, script, attention):
     sees as a packed row)."""
     import importlib
 
-    import common
     from conftest import script_args
 
     common.register_packed_sdpa()
@@ -118,8 +111,6 @@ def backend_parity(policy, eval_file, script, backend, lora, tp="1"):
     HF forward."""
     import argparse
     import importlib
-
-    import common
 
     rl = importlib.import_module(script)  # grpo or ppo
 

@@ -4,7 +4,6 @@ kind; malformed bodies get a 4xx and leave the server alive; auth; /health befor
 import asyncio
 import json
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+import common
 from conftest import ROOT
 
 
@@ -38,9 +38,7 @@ def models(toy_world, tmp_path_factory):
 class Server:
     def __init__(self, *flags, api_key=None):
         self.api_key = api_key
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = common.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "serve_rm.py"), "--port", str(self.port),
                                       *map(str, flags), *(["--api_key", api_key] if api_key else [])], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -81,14 +81,16 @@ def test_grpo_ray_two_processes_zero3(policy, eval_file, tmp_path):
 
 def test_grpo_ray_engine_failing_to_start_stops_every_rank(policy, tmp_path):
     """A Ray engine that cannot start (here: prompt + completion longer than the toy model's 512 positions,
-    which vLLM refuses) stops both ranks with vLLM's reason in one line, instead of rank 0 raising and the
-    other waiting in a collective."""
+    which vLLM refuses) stops the ranks with vLLM's reason in one line, instead of rank 0 raising a traceback
+    and the other waiting in a collective. (Both ranks stop on it; torchrun ends the second as soon as the
+    first exits, so whether it prints its line too is a race.)"""
     proc = run_script("grpo.py", *STEP, "--pretrain", policy, "--ray", "--generate_max_len", 600,
                       "--save_path", tmp_path / "bad", nproc=2, timeout=300, check=False)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 2 and all("--ray: a vLLM engine failed to start: " in e and "max_model_len" in e
-                                    for e in errors), errors
+    assert 1 <= len(errors) <= 2 and all("--ray: a vLLM engine failed to start: " in e and "max_model_len" in e
+                                         for e in errors), errors
+    assert not any(line.startswith("[rank") and "Traceback" in line for line in proc.stderr.splitlines())
 
 
 def test_grpo_reward_model(policy, eval_file, tmp_path):

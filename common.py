@@ -163,6 +163,25 @@ def check_rl_options(args):
     if args.vllm and (world % tp or local % tp):  # an engine's ranks are consecutive ones on one node
         fail(f"--vllm_tensor_parallel_size {tp} must divide the {world} processes (each {tp} share an engine) "
              f"and the {local} on each node")
+    # the engine's log-probs are what the correction needs: on by default with one, impossible without. At
+    # --top_p < 1 they are renormalised over the nucleus, so every weight would be the nucleus's mass, not ~1:
+    # there the correction is opt-in.
+    engine = args.vllm or args.ray
+    if args.rollout_correction not in (None, "none") and not engine:
+        fail(f"--rollout_correction {args.rollout_correction} corrects for a vLLM engine's sampling: add --vllm or "
+             "--ray (HF generate samples from the trainer's own policy)")
+    if args.rollout_correction is None:
+        args.rollout_correction = "token-truncate" if engine and args.top_p == 1 else "none"
+    if args.rollout_correction_bounds is not None and args.rollout_correction == "none":
+        fail("--rollout_correction_bounds without a rollout correction" +
+             ("" if engine else " (one needs --vllm or --ray)"))
+    args.rollout_correction = None if args.rollout_correction == "none" else args.rollout_correction
+    if args.rollout_correction:
+        lo, hi = args.rollout_correction_bounds or ((0.0, 2.0) if args.rollout_correction.endswith("truncate")
+                                                    else (0.5, 5.0))  # TIS's cap 2; IcePop's range
+        if not 0 <= lo <= 1 <= hi:  # a token the engine and trainer agree on (weight 1) keeps its loss
+            fail(f"--rollout_correction_bounds {lo} {hi}: need 0 <= LO <= 1 <= HI")
+        args.rollout_correction_bounds = (lo, hi)
     if args.load_in_4bit and (args.vllm or args.ray):  # merged_weights would add LoRA deltas to packed uint8
         fail("--load_in_4bit with --vllm/--ray: the engines would need the 4-bit base dequantised and merged, "
              "which is not built; generate with HF generate (drop --vllm/--ray) or train LoRA on a bf16 base")
@@ -908,12 +927,15 @@ class VLLMHost:
                        trust_remote_code=args.trust_remote_code,
                        gpu_memory_utilization=args.vllm_gpu_memory_utilization or memory,
                        tensor_parallel_size=args.vllm_tensor_parallel_size,
-                       enable_prefix_caching=args.enable_prefix_caching, distributed_executor_backend=backend)
+                       enable_prefix_caching=args.enable_prefix_caching, distributed_executor_backend=backend,
+                       # a sampled token's log-prob from the distribution it was drawn from (temperature, top_p),
+                       # which the trainer's log-probs at --temperature are compared with
+                       logprobs_mode="processed_logprobs")
         torch.set_rng_state(rng)
 
     def generate(self, prompts, **sampling):
         """One completion per prompt (token ids), sampled with SamplingParams(**sampling); with
-        sampling["logprobs"] = 0 also the engine's log-prob of each sampled token: (tokens, logprobs)."""
+        sampling["logprobs"] = 0 also the log-prob of each sampled token as sampled: (tokens, logprobs)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

@@ -23,7 +23,8 @@ The implementation details, each where it happens: dropout off (common.disable_d
 for generation (left_pad), a group's prompt prefilled once (common.shared_prompt_cache), the response cut
 at its EOS (generate_hf, generate_vllm), rewards for completions without EOS or too long (score), groups
 without signal dropped (rollout, --dynamic_filtering), log-probs at the sampling temperature
-(response_logprobs), advantages from group statistics (group_advantages).
+(response_logprobs), advantages from group statistics (group_advantages), vLLM's sampling corrected
+toward the trainer's policy (rollout_correction_weights).
 """
 
 import argparse
@@ -41,7 +42,9 @@ import common
 
 TOY_REWARD = str(Path(__file__).resolve().parent / "toy.py")  # its reward_func scores the toy task
 ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline", "reinforce")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+POLICY_LOSSES = ("ppo", "cispo", "sapo")
+ROLLOUT_CORRECTIONS = ("token-truncate", "token-mask", "seq-truncate", "seq-mask")
 LOGPROB_CHUNK = 1024  # logit rows upcast to fp32 at a time: 0.6 GB for a 152k vocabulary
 
 
@@ -80,16 +83,88 @@ def token_advantages(advantages, kl, action_mask, kl_coef):
     return (advantages[:, None] - kl_coef * penalty_to_go) * mask
 
 
-def policy_loss(logprobs, old_logprobs, advantages, eps_clip_low=0.2, eps_clip_high=0.2, dual_clip=None):
-    """Clipped surrogate per token [B, T], with ratio = exp(logprobs - old_logprobs):
-        -min(ratio * A, clip(ratio, 1 - eps_clip_low, 1 + eps_clip_high) * A)
-    capped at -dual_clip * A where A < 0 (dual clip). advantages: [B] or [B, T]."""
+def importance_ratio(logprobs, old_logprobs, action_mask=None, level="token"):
+    """pi / pi_old of each response token [B, T]; level "sequence" (GSPO) gives all of a sequence's tokens one
+    ratio, exp of the mean over its response tokens of logprobs - old_logprobs, the gradient flowing through
+    the mean."""
+    log_ratio = logprobs - old_logprobs
+    if level == "sequence":
+        if action_mask is None:
+            raise ValueError("sequence-level ratios need action_mask (which tokens a sequence has)")
+        log_ratio = seq_mean(log_ratio, action_mask)[:, None].expand_as(log_ratio)
+    elif level != "token":
+        raise ValueError(f"unknown importance_sampling_level {level!r}: use token or sequence")
+    return torch.exp(log_ratio)
+
+
+def seq_mean(x, action_mask):
+    """Each row's mean [B] over its response tokens (padding may hold anything)."""
+    mask = action_mask.bool()
+    return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def rollout_correction_weights(old_logprobs, rollout_logprobs, action_mask, mode, bounds):
+    """How much each token's loss counts when the engine that sampled (vLLM, rollout_logprobs) is not exactly
+    the trainer's policy (old_logprobs). w_t = pi_old / pi_engine of the token, detached; the statistic is w_t
+    (token-*) or exp of the sequence's mean log w (seq-*):
+      *-truncate  clamp(statistic, lo, hi)                        (lo = 0: truncated importance sampling, TIS)
+      *-mask      w_t where lo <= statistic <= hi, else 0          (IcePop-style)
+    -> weights [B, T] (0 on padding), and which response tokens were truncated or masked [B, T]."""
+    mask = action_mask.bool()
+    log_w = torch.where(mask, old_logprobs - rollout_logprobs, 0.0).detach()
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"unknown rollout_correction {mode!r}: use one of {', '.join(ROLLOUT_CORRECTIONS)}")
+    level, kind = mode.split("-")
+    w = log_w.exp()
+    stat = w if level == "token" else seq_mean(log_w, mask).exp()[:, None].expand_as(w)
+    lo, hi = bounds
+    inside = (stat >= lo) & (stat <= hi)
+    weights = stat.clamp(lo, hi) if kind == "truncate" else torch.where(inside, w, 0.0)
+    return torch.where(mask, weights, 0.0), mask & ~inside
+
+
+def policy_loss(logprobs, old_logprobs, advantages, eps_clip_low=0.2, eps_clip_high=0.2, dual_clip=None, *,
+                action_mask=None, importance_sampling_level="token", policy_loss_type="ppo", delta=None,
+                tau_pos=1.0, tau_neg=1.05, ref_logprobs=None, kl_coef=0.0, kl_ratio_weighted=False,
+                rollout_logprobs=None, rollout_correction=None, rollout_correction_bounds=(0.0, 2.0)):
+    """Policy loss per token [B, T]; advantages [B] or [B, T]; ratio = importance_ratio(...) (per token, or
+    per sequence: GSPO). policy_loss_type:
+      ppo    clipped surrogate -min(ratio * A, clip(ratio, 1 - eps_clip_low, 1 + eps_clip_high) * A), capped
+             at -dual_clip * A where A < 0 (dual clip); with delta the unclipped ratio is capped at delta
+             (INTELLECT-2's two-sided clip)
+      cispo  -sg(min(ratio, 1 + eps_clip_high)) * A * logprobs: the weight is clipped and stopped, every token
+             keeps its gradient (MiniMax-M1)
+      sapo   -sigmoid(tau * (ratio - 1)) * 4 / tau * A, tau = tau_pos where A > 0, else tau_neg: a soft gate
+             instead of a clip (its gradient is A * grad logprobs at ratio 1, like the surrogate's)
+    With rollout_correction, that loss times rollout_correction_weights (the engine sampled, not pi_old). With
+    ref_logprobs, plus kl_coef * k3 KL to the reference (GRPO's KL loss), times the ratio if kl_ratio_weighted
+    (not reweighted by the correction, as in TRL and OpenRLHF)."""
     if advantages.dim() == 1:
         advantages = advantages[:, None]
-    ratio = torch.exp(logprobs - old_logprobs)
-    loss = -torch.min(ratio * advantages, ratio.clamp(1 - eps_clip_low, 1 + eps_clip_high) * advantages)
-    if dual_clip is not None:
-        loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
+    ratio = importance_ratio(logprobs, old_logprobs, action_mask, importance_sampling_level)
+    if policy_loss_type not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy_loss_type {policy_loss_type!r}: use one of {', '.join(POLICY_LOSSES)}")
+    if policy_loss_type != "ppo" and (dual_clip is not None or delta is not None):
+        raise ValueError(f"dual_clip and delta cap the ppo surrogate, not {policy_loss_type}'s loss")
+    if policy_loss_type == "ppo":
+        unclipped = ratio if delta is None else ratio.clamp(max=delta)
+        loss = -torch.min(unclipped * advantages, ratio.clamp(1 - eps_clip_low, 1 + eps_clip_high) * advantages)
+        if dual_clip is not None:
+            loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
+    elif policy_loss_type == "cispo":
+        loss = -ratio.clamp(max=1 + eps_clip_high).detach() * advantages * logprobs
+    else:  # sapo
+        tau = advantages.new_full(advantages.shape, tau_neg).masked_fill(advantages > 0, tau_pos)
+        loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+    if rollout_correction is not None:
+        if rollout_logprobs is None or action_mask is None:
+            raise ValueError("rollout_correction needs rollout_logprobs and action_mask")
+        weights, _ = rollout_correction_weights(old_logprobs, rollout_logprobs, action_mask, rollout_correction,
+                                                rollout_correction_bounds)
+        loss = loss * weights
+    if ref_logprobs is not None and kl_coef:
+        kl = common.approx_kl(logprobs, ref_logprobs, "k3")
+        loss = loss + kl_coef * (kl * ratio if kl_ratio_weighted else kl)
     return loss
 
 
@@ -97,6 +172,7 @@ def aggregate_loss(loss, action_mask, loss_agg_mode="token-mean", generate_max_l
     """Per-token losses [B, T] -> one number, over the response tokens (action_mask) only:
         token-mean               mean over all response tokens of the batch          (DAPO)
         seq-mean-token-mean      mean over sequences of each sequence's token mean   (GRPO paper)
+        seq-mean-token-sum       mean over sequences of each sequence's token sum    (length-unbiased)
         seq-mean-token-sum-norm  mean over sequences of token sum / generate_max_len (Dr. GRPO)"""
     mask = action_mask.bool()
     loss = torch.where(mask, loss, 0.0)  # padding may hold anything, even inf
@@ -104,6 +180,8 @@ def aggregate_loss(loss, action_mask, loss_agg_mode="token-mean", generate_max_l
         return loss.sum() / mask.sum()
     if loss_agg_mode == "seq-mean-token-mean":
         return (loss.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    if loss_agg_mode == "seq-mean-token-sum":
+        return loss.sum(-1).mean()
     if loss_agg_mode == "seq-mean-token-sum-norm":
         if not generate_max_len:
             raise ValueError("seq-mean-token-sum-norm needs generate_max_len, the constant it divides by")
@@ -146,7 +224,8 @@ def generate_hf(model, prompts, args, tokenizer, temperature):
 
 def generate_vllm(engine, prompts, args, eos_id, temperature, with_logprobs=False):
     """vLLM (common.VLLMEngine in this process, or common.RayEngines): the same contract as generate_hf;
-    with `with_logprobs` also the engine's log-prob of each sampled token (raw logits, no temperature)."""
+    with `with_logprobs` also the engine's log-prob of each sampled token, from the distribution it sampled
+    (at the temperature, renormalised over the top_p nucleus: common.VLLMHost asks for processed log-probs)."""
     # ignore_eos: stop at eos_id only, not also at the eos ids of the checkpoint's tokenizer and
     # generation_config.json (vLLM adds those), exactly as generate_hf stops
     return engine.generate(prompts, temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0,
@@ -242,26 +321,27 @@ def score(records, responses, reward_fn, tokenizer, args):
 
 def sample_groups(prompt_records, generate, reward_fn, tokenizer, args, metrics):
     """n_samples_per_prompt scored completions of each prompt -> one group per prompt: (records, responses,
-    rewards [n], logs {name: [n]}). Adds the time spent to metrics' generate_s and reward_s."""
+    engine log-probs (None without an engine), rewards [n], logs {name: [n]}). Adds the time spent to
+    metrics' generate_s and reward_s."""
     n = args.n_samples_per_prompt
     records = [r for r in prompt_records for _ in range(n)]
     t = time.time()
-    responses = generate([r["ids"] for r in records], args.temperature)
+    responses, engine_logprobs = generate([r["ids"] for r in records], args.temperature)
     metrics["generate_s"] += time.time() - t
     t = time.time()
     rewards, scores, logs = score(records, responses, reward_fn, tokenizer, args)
     metrics["reward_s"] += time.time() - t
     logs = {"score": scores, **logs}
-    return [(records[g:g + n], responses[g:g + n], rewards[g:g + n], {k: v[g:g + n] for k, v in logs.items()})
-            for g in range(0, len(records), n)]
+    return [(records[g:g + n], responses[g:g + n], engine_logprobs[g:g + n] if engine_logprobs else None,
+             rewards[g:g + n], {k: v[g:g + n] for k, v in logs.items()}) for g in range(0, len(records), n)]
 
 
 def rollout(stream, generate, reward_fn, tokenizer, args):
     """This rank's share of one step: rollout_batch_size / world prompts, each with n_samples_per_prompt
-    scored completions (a group: consecutive samples). -> (records, responses, rewards [N], logs {name: [N]},
-    metrics). --dynamic_filtering (DAPO) keeps only groups whose mean score is strictly inside the range,
-    drawing more prompts until the share is full; after 10 rounds dropped groups top it up (logged). All
-    ranks run the same rounds (ZeRO-3 generate)."""
+    scored completions (a group: consecutive samples). -> (records, responses, engine log-probs [N, R] or None,
+    rewards [N], logs {name: [N]}, metrics). --dynamic_filtering (DAPO) keeps only groups whose mean score is
+    strictly inside the range, drawing more prompts until the share is full; after 10 rounds dropped groups
+    top it up (logged). All ranks run the same rounds (ZeRO-3 generate)."""
     want = args.rollout_batch_size // dist.get_world_size()
     metrics = dict(generate_s=0.0, reward_s=0.0, rounds=1, groups_dropped=0, groups_topped_up=0)
     if not args.dynamic_filtering:
@@ -271,15 +351,17 @@ def rollout(stream, generate, reward_fn, tokenizer, args):
         kept, dropped, metrics["rounds"] = [], [], 0
         while True:
             for group in sample_groups(next(stream), generate, reward_fn, tokenizer, args, metrics):
-                mean_score = group[3]["score"].double().mean().item()
+                mean_score = group[4]["score"].double().mean().item()
                 (kept if lo < mean_score < hi else dropped).append(group)
             metrics["rounds"] += 1
             if metrics["rounds"] == 10 or not common.all_reduce_sum([float(len(kept) < want)])[0]:
                 break
         metrics.update(groups_dropped=len(dropped), groups_topped_up=max(want - len(kept), 0))
         groups = (kept + dropped)[:want]
-    return ([r for g in groups for r in g[0]], [r for g in groups for r in g[1]], torch.cat([g[2] for g in groups]),
-            {k: torch.cat([g[3][k] for g in groups]) for k in groups[0][3]}, metrics)
+    engine_logprobs = pad_sequence([lp for g in groups for lp in g[2]], batch_first=True).float() \
+        if groups[0][2] is not None else None
+    return ([r for g in groups for r in g[0]], [r for g in groups for r in g[1]], engine_logprobs,
+            torch.cat([g[3] for g in groups]), {k: torch.cat([g[4][k] for g in groups]) for k in groups[0][4]}, metrics)
 
 
 # ---------------------------------------------------------------------------------------------- eval
@@ -291,7 +373,7 @@ def evaluate(eval_records, generate, reward_fn, tokenizer, args):
     n = args.eval_n_samples_per_prompt
     mine, real = common.rank_share(eval_records)  # fillers keep ZeRO-3 ranks in step
     records = [r for r in mine for _ in range(n)]
-    responses = generate([r["ids"] for r in records], args.eval_temperature)
+    responses, _ = generate([r["ids"] for r in records], args.eval_temperature)
     rewards, _, logs = score(records, responses, reward_fn, tokenizer, args)
     real = torch.tensor(real)
     per_prompt = {k: v.reshape(-1, n)[real] for k, v in {"reward": rewards, **dict(sorted(logs.items()))}.items()}
@@ -344,6 +426,17 @@ def parse_args():
     a("--eps_clip_low", type=float, default=0.2)
     a("--eps_clip_high", type=float, default=0.2, help="> eps_clip_low: DAPO's clip-higher")
     a("--dual_clip", type=float, default=None, help="cap the loss of negative advantages at dual_clip * |A| (> 1)")
+    a("--policy_loss_type", default="ppo", choices=POLICY_LOSSES, help="clipped surrogate, CISPO or SAPO")
+    a("--importance_sampling_level", default="token", choices=("token", "sequence"), help="sequence: GSPO")
+    a("--delta", type=float, default=None, help="cap the unclipped ratio at delta (> 1 + eps_clip_high; INTELLECT-2)")
+    a("--tau_pos", type=float, default=None, help="SAPO's gate temperature where A > 0 (default 1.0)")
+    a("--tau_neg", type=float, default=None, help="SAPO's gate temperature where A <= 0 (default 1.05)")
+    a("--kl_ratio_weighted", action="store_true", help="--use_kl_loss: weight each token's KL by its ratio")
+    a("--rollout_correction", default=None, choices=("none", *ROLLOUT_CORRECTIONS),
+      help="weight each token's loss by pi_trainer / pi_engine (default: token-truncate with --vllm/--ray "
+           "at --top_p 1)")
+    a("--rollout_correction_bounds", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+      help="the weights' range (default: 0 2 for *-truncate, 0.5 5 for *-mask)")
     a("--entropy_loss_coef", type=float, default=0.0, help="entropy bonus (0: off)")
     a("--aux_loss_coef", type=float, default=0.0, help="MoE router load-balancing loss weight (policy)")
     a("--actor_learning_rate", dest="learning_rate", type=float, help="same as --learning_rate")
@@ -366,6 +459,19 @@ def parse_args():
         common.fail("rloo needs --n_samples_per_prompt >= 2 (its baseline is the other samples)")
     if args.dual_clip is not None and args.dual_clip <= 1:
         common.fail("--dual_clip must be > 1")
+    if args.policy_loss_type != "ppo" and (args.dual_clip is not None or args.delta is not None):
+        common.fail(f"--dual_clip and --delta cap the ppo surrogate: not with --policy_loss_type "
+                    f"{args.policy_loss_type}")
+    if args.delta is not None and args.delta <= 1 + args.eps_clip_high:
+        common.fail(f"--delta {args.delta} must be > 1 + --eps_clip_high ({1 + args.eps_clip_high})")
+    if args.policy_loss_type != "sapo" and (args.tau_pos is not None or args.tau_neg is not None):
+        common.fail("--tau_pos and --tau_neg are SAPO's: add --policy_loss_type sapo")
+    args.tau_pos = 1.0 if args.tau_pos is None else args.tau_pos
+    args.tau_neg = 1.05 if args.tau_neg is None else args.tau_neg
+    if args.tau_pos <= 0 or args.tau_neg <= 0:
+        common.fail("--tau_pos and --tau_neg must be > 0")
+    if args.kl_ratio_weighted and not (args.use_kl_loss and args.init_kl_coef > 0):
+        common.fail("--kl_ratio_weighted weights the KL loss: add --use_kl_loss and --init_kl_coef > 0")
     if args.overlong_buffer_len >= args.generate_max_len:
         common.fail("--overlong_buffer_len must be below --generate_max_len")
     common.check_rl_options(args)
@@ -416,10 +522,10 @@ def main():
     # --vllm / --ray: vLLM engines fed the actor's weights (and again after every update); else HF generate
     engine = common.start_rollout_engine(args, actor.module) if args.vllm or args.ray else None
 
-    def generate(prompts, temperature):
+    def generate(prompts, temperature):  # -> completions, and the engine's log-prob of each token (or None)
         if engine is None:
-            return generate_hf(actor.module, prompts, args, tokenizer, temperature)
-        return generate_vllm(engine, prompts, args, eos, temperature)
+            return generate_hf(actor.module, prompts, args, tokenizer, temperature), None
+        return generate_vllm(engine, prompts, args, eos, temperature, with_logprobs=True)
 
     logger, results, totals = common.Logger(args, total_steps, start_step), {}, {"generate_s": 0.0, "train_s": 0.0}
     if eval_prompts:
@@ -427,13 +533,20 @@ def main():
         before = evaluate(eval_prompts, generate, reward_fn, tokenizer, args)
         logger.log(start_step, before, prefix="eval")
         results.update({f"eval_{k}_before": v for k, v in before.items()})
-    # One optimizer step per rollout and no reference model: the policy being updated is the one that sampled,
-    # so the old log-probs are the update's own, detached, and their separate forward pass is skipped.
+    # One optimizer step per rollout and no reference model: the policy being updated is the one that sampled
+    # (a vLLM engine's numbers differ slightly: the rollout correction's business), so the old log-probs are
+    # the update's own, detached, and their separate forward pass is skipped.
     on_policy = updates == 1 and ref is None
+    loss_options = dict(  # the policy-loss family's flags
+        importance_sampling_level=args.importance_sampling_level, policy_loss_type=args.policy_loss_type,
+        delta=args.delta, tau_pos=args.tau_pos, tau_neg=args.tau_neg, kl_coef=args.init_kl_coef,
+        kl_ratio_weighted=args.kl_ratio_weighted, rollout_correction=args.rollout_correction,
+        rollout_correction_bounds=args.rollout_correction_bounds)
     for step in range(start_step, total_steps):
         # 1. rollout: sample groups, score them; the log-probs the update starts from (no gradients)
         actor.module.eval()
-        records, responses, rewards, logs, metrics = rollout(stream, generate, reward_fn, tokenizer, args)
+        records, responses, engine_logprobs, rewards, logs, metrics = rollout(stream, generate, reward_fn,
+                                                                              tokenizer, args)
         t = time.time()
         batch = [(r["ids"], response) for r, response in zip(records, responses)]  # N (prompt, response) pairs
         action_mask = pad_sequence([torch.ones(len(r), dtype=torch.bool) for r in responses], batch_first=True)
@@ -454,7 +567,8 @@ def main():
         #    train_batch_size samples (gradient accumulation over micro-batches and ranks)
         actor.module.train()
         stats = {"policy_loss": [], "clip_frac": [], "entropy": []}
-        for _ in range(args.max_epochs):
+        engine_stats = {"engine_logprob_gap": [], "rollout_corrected_frac": []}  # per response token, epoch 1
+        for epoch in range(args.max_epochs):
             order = torch.randperm(len(batch))
             for mb in order.split(args.micro_train_batch_size):
                 # the entropy is logged; its graph is kept only when it is in the loss
@@ -464,10 +578,12 @@ def main():
                 T, device = logprobs.size(1), logprobs.device
                 mask = action_mask[mb, :T].to(device)
                 old = logprobs.detach() if on_policy else old_logprobs[mb, :T].to(device)
+                engine_lp = engine_logprobs[mb, :T].to(device) if engine_logprobs is not None else None
+                # GRPO's KL in the loss (--use_kl_loss), not in the reward
+                ref_lp = ref_logprobs[mb, :T].to(device) if args.use_kl_loss and ref is not None else None
                 loss = policy_loss(logprobs, old, advantages[mb, :T].to(device), args.eps_clip_low,
-                                   args.eps_clip_high, args.dual_clip)  # [b, T]
-                if args.use_kl_loss and ref is not None:
-                    loss = loss + args.init_kl_coef * common.approx_kl(logprobs, ref_logprobs[mb, :T].to(device), "k3")
+                                   args.eps_clip_high, args.dual_clip, action_mask=mask, ref_logprobs=ref_lp,
+                                   rollout_logprobs=engine_lp, **loss_options)  # [b, T]
                 loss = aggregate_loss(loss, mask, args.loss_agg_mode, args.generate_max_len)
                 if args.entropy_loss_coef:
                     loss = loss - args.entropy_loss_coef * common.masked_mean(entropy, mask)
@@ -475,11 +591,20 @@ def main():
                     loss = loss + args.aux_loss_coef * aux_loss
                 actor.backward(loss)
                 actor.step()
-                ratio = torch.exp(logprobs.detach() - old)
-                clipped = (ratio < 1 - args.eps_clip_low) | (ratio > 1 + args.eps_clip_high)
+                ratio = importance_ratio(logprobs.detach(), old, mask, args.importance_sampling_level)
+                clipped = ratio > 1 + args.eps_clip_high  # CISPO caps its weight from above only
+                if args.policy_loss_type == "ppo":
+                    clipped |= ratio < 1 - args.eps_clip_low
                 stats["policy_loss"].append(loss.item())
-                stats["clip_frac"].append(common.masked_mean(clipped.float(), mask).item())
+                if args.policy_loss_type != "sapo":  # SAPO's gate has no clip
+                    stats["clip_frac"].append(common.masked_mean(clipped.float(), mask).item())
                 stats["entropy"].append(common.masked_mean(entropy.detach(), mask).item())
+                if engine_lp is not None and epoch == 0:  # how far the engine is from the trainer
+                    engine_stats["engine_logprob_gap"].append((engine_lp - old)[mask.bool()].cpu())
+                    if args.rollout_correction:  # and what the correction did about it
+                        _, changed = rollout_correction_weights(old, engine_lp, mask, args.rollout_correction,
+                                                                args.rollout_correction_bounds)
+                        engine_stats["rollout_corrected_frac"].append(changed[mask.bool()].float().cpu())
 
         # 4. weight sync: the rollout engines generate with the updated policy from the next step on
         if engine is not None:
@@ -492,7 +617,8 @@ def main():
         lengths = action_mask.sum(-1).tolist()
         out = common.all_reduce_means({"reward": rewards.tolist(), "response_len": lengths,
                                        "kl": [kl[i, :n].mean().item() for i, n in enumerate(lengths)], **logs,
-                                       **stats, **metrics, "_reward_sq": rewards.double() ** 2})
+                                       **stats, **{k: torch.cat(v) if v else [] for k, v in engine_stats.items()},
+                                       **metrics, "_reward_sq": rewards.double() ** 2})
         out["reward_std"] = math.sqrt(max(out.pop("_reward_sq") - out["reward"] ** 2, 0.0))
         out["lr"] = actor.get_lr()[0]
         totals = {k: v + out[k] for k, v in totals.items()}

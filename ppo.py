@@ -39,6 +39,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 import common
 
 TOY_REWARD = str(Path(__file__).resolve().parent / "toy.py")  # its reward_func checks the toy task's answers
+ROLLOUT_CORRECTIONS = ("token-truncate", "token-mask", "seq-truncate", "seq-mask")
 LOGPROB_CHUNK = 1024  # logit rows upcast to fp32 at a time: 0.6 GB for a 152k vocabulary
 
 
@@ -69,13 +70,46 @@ def compute_gae(rewards, values, action_mask, gamma, lam):
     return advantages, (advantages + values) * mask
 
 
-def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip=0.2, dual_clip=None):
+def seq_mean(x, action_mask):
+    """Each row's mean [B] over its response tokens (padding may hold anything)."""
+    mask = action_mask.bool()
+    return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def rollout_correction_weights(old_logprobs, rollout_logprobs, action_mask, mode, bounds):
+    """How much each token's loss counts when the engine that sampled (vLLM, rollout_logprobs) is not exactly
+    the trainer's policy (old_logprobs). w_t = pi_old / pi_engine of the token, detached; the statistic is w_t
+    (token-*) or exp of the sequence's mean log w (seq-*):
+      *-truncate  clamp(statistic, lo, hi)                        (lo = 0: truncated importance sampling, TIS)
+      *-mask      w_t where lo <= statistic <= hi, else 0          (IcePop-style)
+    -> weights [B, T] (0 on padding), and which response tokens were truncated or masked [B, T]."""
+    mask = action_mask.bool()
+    log_w = torch.where(mask, old_logprobs - rollout_logprobs, 0.0).detach()
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"unknown rollout_correction {mode!r}: use one of {', '.join(ROLLOUT_CORRECTIONS)}")
+    level, kind = mode.split("-")
+    w = log_w.exp()
+    stat = w if level == "token" else seq_mean(log_w, mask).exp()[:, None].expand_as(w)
+    lo, hi = bounds
+    inside = (stat >= lo) & (stat <= hi)
+    weights = stat.clamp(lo, hi) if kind == "truncate" else torch.where(inside, w, 0.0)
+    return torch.where(mask, weights, 0.0), mask & ~inside
+
+
+def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip=0.2, dual_clip=None, *,
+                rollout_logprobs=None, rollout_correction=None, rollout_correction_bounds=(0.0, 2.0)):
     """Clipped surrogate, mean over response tokens: -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A),
-    ratio = exp(logprobs - old_logprobs), capped at -dual_clip * A where A < 0 (dual clip)."""
+    ratio = exp(logprobs - old_logprobs), capped at -dual_clip * A where A < 0 (dual clip); with
+    rollout_correction each token's loss times rollout_correction_weights (the engine sampled, not pi_old)."""
     ratio = torch.exp(logprobs - old_logprobs)
     loss = -torch.min(ratio * advantages, ratio.clamp(1 - eps_clip, 1 + eps_clip) * advantages)
     if dual_clip is not None:
         loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
+    if rollout_correction is not None:
+        if rollout_logprobs is None:
+            raise ValueError("rollout_correction needs rollout_logprobs")
+        loss = loss * rollout_correction_weights(old_logprobs, rollout_logprobs, action_mask, rollout_correction,
+                                                 rollout_correction_bounds)[0]
     return common.masked_mean(torch.where(action_mask.bool(), loss, 0.0), action_mask)
 
 
@@ -130,7 +164,8 @@ def generate_hf(model, prompts, args, tokenizer, temperature):
 
 def generate_vllm(engine, prompts, args, eos_id, temperature, with_logprobs=False):
     """vLLM (common.VLLMEngine in this process, or common.RayEngines): the same contract as generate_hf;
-    with `with_logprobs` also the engine's log-prob of each sampled token (raw logits, no temperature)."""
+    with `with_logprobs` also the engine's log-prob of each sampled token, from the distribution it sampled
+    (at the temperature, renormalised over the top_p nucleus: common.VLLMHost asks for processed log-probs)."""
     # ignore_eos: stop at eos_id only, not also at the eos ids of the checkpoint's tokenizer and
     # generation_config.json (vLLM adds those), exactly as generate_hf stops
     return engine.generate(prompts, temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0,
@@ -247,7 +282,7 @@ def evaluate(eval_records, generate, reward_fn, eval_fn, tokenizer, args):
     n = args.eval_n_samples_per_prompt
     mine, real = common.rank_share(eval_records)  # fillers keep ZeRO-3 ranks in step
     records = [r for r in mine for _ in range(n)]
-    responses = generate([r["ids"] for r in records], args.eval_temperature)
+    responses, _ = generate([r["ids"] for r in records], args.eval_temperature)
     rewards, _, _ = reward_fn(records, responses)
     per_prompt = {"reward": rewards}
     if eval_fn is not None:
@@ -306,6 +341,11 @@ def parse_args():
     a("--eps_clip", type=float, default=0.2)
     a("--dual_clip", type=float, default=None, help="cap the loss of negative advantages at dual_clip * |A| (> 1)")
     a("--value_clip", type=float, default=0.2)
+    a("--rollout_correction", default=None, choices=("none", *ROLLOUT_CORRECTIONS),
+      help="weight each token's loss by pi_trainer / pi_engine (default: token-truncate with --vllm/--ray "
+           "at --top_p 1)")
+    a("--rollout_correction_bounds", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+      help="the weights' range (default: 0 2 for *-truncate, 0.5 5 for *-mask)")
     a("--entropy_loss_coef", type=float, default=0.0, help="entropy bonus (0: off)")
     a("--aux_loss_coef", type=float, default=0.0, help="MoE router load-balancing loss weight (actor)")
     a("--actor_learning_rate", dest="learning_rate", type=float, help="same as --learning_rate")
@@ -388,10 +428,10 @@ def main():
     # --vllm / --ray: vLLM engines fed the actor's weights (and again after every update); else HF generate
     engine = common.start_rollout_engine(args, actor.module) if args.vllm or args.ray else None
 
-    def generate(prompts, temperature):
+    def generate(prompts, temperature):  # -> completions, and the engine's log-prob of each token (or None)
         if engine is None:
-            return generate_hf(actor.module, prompts, args, tokenizer, temperature)
-        return generate_vllm(engine, prompts, args, eos, temperature)
+            return generate_hf(actor.module, prompts, args, tokenizer, temperature), None
+        return generate_vllm(engine, prompts, args, eos, temperature, with_logprobs=True)
 
     logger, results = common.Logger(args, total_steps, start_step), {}
     totals = dict(generate_s=0.0, forward_s=0.0, train_s=0.0, sync_s=0.0)
@@ -406,7 +446,9 @@ def main():
         critic.module.eval()
         t = time.time()
         records = [r for r in next(stream) for _ in range(args.n_samples_per_prompt)]
-        responses = generate([r["ids"] for r in records], args.temperature)
+        responses, engine_logprobs = generate([r["ids"] for r in records], args.temperature)
+        if engine_logprobs is not None:
+            engine_logprobs = pad_sequence(engine_logprobs, batch_first=True).float()  # [N, R]
         metrics = {"generate_s": time.time() - t}
         t = time.time()
         scores, _, extra_logs = reward_fn(records, responses)  # [N]
@@ -429,6 +471,13 @@ def main():
         advantages, returns = compute_gae(rewards, values, action_mask, args.gamma, args.lambd)
         advantages = common.masked_whiten(advantages, action_mask, across_ranks=True,
                                           std_norm=not args.no_advantage_std_norm)
+        engine_stats = {}  # how far the engine is from the trainer, per response token, and what the correction did
+        if engine_logprobs is not None:
+            engine_stats["engine_logprob_gap"] = (engine_logprobs - old_logprobs)[action_mask]
+            if args.rollout_correction:
+                _, changed = rollout_correction_weights(old_logprobs, engine_logprobs, action_mask,
+                                                        args.rollout_correction, args.rollout_correction_bounds)
+                engine_stats["rollout_corrected_frac"] = changed[action_mask].float()
         metrics["forward_s"] = time.time() - t
 
         # 3. update: --max_epochs passes over shuffled micro-batches; each engine steps its optimizer every
@@ -447,8 +496,11 @@ def main():
                                                                     entropy_grad=bool(args.entropy_loss_coef))
                     T, device = logprobs.size(1), logprobs.device
                     mask, old = action_mask[mb, :T].to(device), old_logprobs[mb, :T].to(device)
+                    engine_lp = engine_logprobs[mb, :T].to(device) if engine_logprobs is not None else None
                     loss = policy_loss(logprobs, old, advantages[mb, :T].to(device), mask, args.eps_clip,
-                                       args.dual_clip)
+                                       args.dual_clip, rollout_logprobs=engine_lp,
+                                       rollout_correction=args.rollout_correction,
+                                       rollout_correction_bounds=args.rollout_correction_bounds)
                     if args.entropy_loss_coef:
                         loss = loss - args.entropy_loss_coef * common.masked_mean(entropy, mask)
                     if args.aux_loss_coef:  # a mixture of experts' router load-balancing loss
@@ -483,7 +535,8 @@ def main():
         ret, err = returns[action_mask].double(), (returns - values)[action_mask].double()  # [response tokens]
         out = common.all_reduce_means({
             "reward": scores, **extra_logs, "kl": [kl[i, :n].sum().item() for i, n in enumerate(lengths)],
-            "response_len": lengths, "stopped": stopped.float(), **stats, **metrics, "_reward_sq": scores.double() ** 2,
+            "response_len": lengths, "stopped": stopped.float(), **stats, **engine_stats, **metrics,
+            "_reward_sq": scores.double() ** 2,
             "_ret": ret, "_ret_sq": ret ** 2, "_err": err, "_err_sq": err ** 2})
         out["reward_std"] = math.sqrt(max(out.pop("_reward_sq") - out["reward"] ** 2, 0.0))
         error_var, returns_var = out.pop("_err_sq") - out.pop("_err") ** 2, out.pop("_ret_sq") - out.pop("_ret") ** 2

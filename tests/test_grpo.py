@@ -90,6 +90,8 @@ def loop_policy_loss(logp, old, adv, mask, low, high, mode, max_len, ref, kl_coe
         return sum(tokens) / len(tokens)
     if mode == "seq-mean-token-mean":
         return sum(sum(s) / len(s) for s in per_seq) / len(per_seq)
+    if mode == "seq-mean-token-sum":
+        return sum(sum(s) for s in per_seq) / len(per_seq)
     return sum(sum(s) / max_len for s in per_seq) / len(per_seq)
 
 

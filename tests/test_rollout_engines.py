@@ -1,6 +1,7 @@
 """The rollout engines of grpo.py and ppo.py against Hugging Face: vLLM in process and vLLM in a local Ray
 actor give the same greedy completions as HF generate, and after a weight sync the same log-probs as an
-HF forward (and before it, stale ones: the sync is what moves the weights). With LoRA adapters the engine
+HF forward at the sampling temperature (and before it, stale ones: the sync is what moves the weights, and the
+rollout correction's weights move away from 1 with them). With LoRA adapters the engine
 gets the merged weights, and its log-probs equal the adapter model's. HF generate prefills a repeated prompt
 once."""
 import json
@@ -10,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import ROOT
@@ -29,7 +31,11 @@ def test_vllm_engines_match_hf(policy, eval_file, script, backend, lora):
     assert out["prompts"] == 64 and out["greedy_equal"] >= 62 and out["tie_margin"] <= 1e-4
     assert out["stale_logprob_diff"] > 1e-2  # the engine really had the old weights before the sync
     assert out["logprob_diff"] <= 1e-4  # the engine's log-probs after the sync vs a plain HF forward, fp32
+    assert out["nucleus_logprob_diff"] <= 1e-4  # at top_p 0.8: renormalised over the nucleus it sampled from
     assert out["ours_padded_diff"] <= 5e-5 and out["ours_packed_diff"] <= 5e-5  # rl.response_logprobs too
+    # the rollout correction (rl.rollout_correction_weights) sees the stale engine, and nothing once synced
+    assert out["stale_weight_dev"] > 0.1 and out["stale_masked_frac"] > 0.01, out
+    assert out["fresh_weight_dev"] <= 1e-3 and out["fresh_masked_frac"] == 0, out
     if backend == "vllm":  # the LoRA runs also turn on --enable_prefix_caching; the others pass it off
         assert out["prefix_caching"] is bool(lora)
 
@@ -115,7 +121,7 @@ def backend_parity(policy, eval_file, script, backend, lora, tp="1"):
     rl = importlib.import_module(script)  # grpo or ppo
 
     args = argparse.Namespace(pretrain=policy, seed=0, bf16=False, prompt_max_len=16, generate_max_len=8,
-                              trust_remote_code=False, vllm_gpu_memory_utilization=0.3, top_p=1.0, temperature=1.0,
+                              trust_remote_code=False, vllm_gpu_memory_utilization=0.3, top_p=1.0, temperature=0.7,
                               micro_rollout_batch_size=64, zero_stage=0, packing_samples=False, ray_address=None,
                               vllm_num_engines=1, vllm_tensor_parallel_size=int(tp), enforce_eager=False,
                               enable_prefix_caching=lora == "1")
@@ -140,8 +146,8 @@ def backend_parity(policy, eval_file, script, backend, lora, tp="1"):
     sync()
 
     @torch.no_grad()
-    def hf_logprobs(p, r):  # a plain forward of one sequence: the reference
-        logp = torch.log_softmax(model(torch.cat([p, r])[None]).logits[0].double(), -1)
+    def hf_logprobs(p, r):  # a plain forward of one sequence at the sampling temperature: the reference
+        logp = torch.log_softmax(model(torch.cat([p, r])[None]).logits[0].double() / args.temperature, -1)
         return logp[torch.arange(len(p) - 1, len(p) + len(r) - 1), r]
 
     # Greedy completions are equal, or part where HF's two best tokens are a near-tie: the engine's logits
@@ -159,17 +165,41 @@ def backend_parity(policy, eval_file, script, backend, lora, tp="1"):
         tie_margin = max(tie_margin, (logits.max() - logits[chosen]).item())
 
     def max_diff():
-        tokens, logprobs = generate(1.0, True)
-        return max((lp - hf_logprobs(p, r)).abs().max().item() for p, r, lp in zip(prompts, tokens, logprobs)), tokens
+        """Sampled at temperature 0.7: the engine's log-probs (as sampled) against HF's, and the rollout
+        correction's token weights pi_trainer / pi_engine: how far from 1, and the share outside [0.9, 1.1]."""
+        tokens, logprobs = generate(args.temperature, True)
+        diff = max((lp - hf_logprobs(p, r)).abs().max().item() for p, r, lp in zip(prompts, tokens, logprobs))
+        args.packing_samples = False
+        with torch.no_grad():
+            trainer, _, _ = rl.response_logprobs(model, list(zip(prompts, tokens)), args, tok.pad_token_id)
+        engine_lp = pad_sequence(logprobs, batch_first=True).to(trainer.dtype)
+        mask = pad_sequence([torch.ones(len(t), dtype=torch.bool) for t in tokens], batch_first=True)
+        w, _ = rl.rollout_correction_weights(trainer, engine_lp, mask, "token-truncate", (0.0, float("inf")))
+        _, masked = rl.rollout_correction_weights(trainer, engine_lp, mask, "token-mask", (0.9, 1.1))
+        return diff, tokens, {"weight_dev": (w - 1)[mask].abs().max().item(),
+                              "masked_frac": masked.sum().item() / mask.sum().item()}
 
     with torch.no_grad():  # a training step's worth of change, on every weight (the tied embedding too)
         g = torch.Generator().manual_seed(0)
         for p in model.parameters():
             if p.requires_grad:  # all of them, or only the adapters
                 p.add_(torch.randn(p.shape, generator=g) * (0.1 if lora == "1" else 0.02))
-    stale, _ = max_diff()
+    stale, _, stale_correction = max_diff()
     sync()
-    fresh, responses = max_diff()
+    fresh, responses, fresh_correction = max_diff()
+
+    @torch.no_grad()
+    def nucleus_logprobs(p, r, top_p):  # log-probs renormalised over vLLM's top-p nucleus: what it sampled from
+        probs = torch.softmax(model(torch.cat([p, r])[None]).logits[0].double() / args.temperature, -1)
+        probs = probs[torch.arange(len(p) - 1, len(p) + len(r) - 1)]
+        ascending = probs.sort(-1).values  # vLLM drops the least likely tokens while their total is <= 1 - top_p
+        mass = torch.where(ascending.cumsum(-1) > 1 - top_p, ascending, 0.0).sum(-1)
+        return probs.gather(-1, r[:, None]).squeeze(-1).log() - mass.log()
+
+    args.top_p = 0.8
+    tokens, logprobs = generate(args.temperature, True)
+    nucleus = max((lp - nucleus_logprobs(p, r, 0.8)).abs().max().item() for p, r, lp in zip(prompts, tokens, logprobs))
+    args.top_p = 1.0
     ours = {}
     for packing in (False, True):
         args.packing_samples = packing
@@ -180,17 +210,24 @@ def backend_parity(policy, eval_file, script, backend, lora, tp="1"):
     out = [None] * world
     torch.distributed.all_gather_object(out, {
         "prompts": len(prompts), "greedy_equal": greedy_equal, "tie_margin": tie_margin, "stale_logprob_diff": stale,
-        "logprob_diff": fresh, "ours_padded_diff": ours[False], "ours_packed_diff": ours[True],
-        "prefix_caching": prefix_caching, "engine_seeds": seed})
+        "logprob_diff": fresh, "nucleus_logprob_diff": nucleus, "ours_padded_diff": ours[False], "ours_packed_diff": ours[True],
+        "prefix_caching": prefix_caching, "engine_seeds": seed,
+        **{f"stale_{k}": v for k, v in stale_correction.items()},
+        **{f"fresh_{k}": v for k, v in fresh_correction.items()}})
     if rank == 0:  # over all ranks: counts summed, the largest differences, the smallest stale one
         total = lambda k, f: f(o[k] for o in out)  # noqa: E731
         print(json.dumps({"prompts": total("prompts", sum), "greedy_equal": total("greedy_equal", sum),
                           "tie_margin": total("tie_margin", max),
                           "stale_logprob_diff": total("stale_logprob_diff", min),
                           "logprob_diff": total("logprob_diff", max),
+                          "nucleus_logprob_diff": total("nucleus_logprob_diff", max),
                           "ours_padded_diff": total("ours_padded_diff", max),
                           "ours_packed_diff": total("ours_packed_diff", max), "prefix_caching": prefix_caching,
-                          "engine_seeds": total("engine_seeds", list)}))
+                          "engine_seeds": total("engine_seeds", list),
+                          "stale_weight_dev": total("stale_weight_dev", min),
+                          "stale_masked_frac": total("stale_masked_frac", min),
+                          "fresh_weight_dev": total("fresh_weight_dev", max),
+                          "fresh_masked_frac": total("fresh_masked_frac", max)}))
 
 
 if __name__ == "__main__":

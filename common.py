@@ -13,11 +13,14 @@ import functools
 import json
 import math
 import os
+import queue
 import random
 import resource
 import shutil
+import signal
 import socket
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -182,6 +185,12 @@ def check_rl_options(args):
         if not 0 <= lo <= 1 <= hi:  # a token the engine and trainer agree on (weight 1) keeps its loss
             fail(f"--rollout_correction_bounds {lo} {hi}: need 0 <= LO <= 1 <= HI")
         args.rollout_correction_bounds = (lo, hi)
+    if args.async_steps < 0:
+        fail("--async_steps must be >= 0")
+    if args.async_steps and not args.ray:
+        fail("--async_steps needs --ray: the next batch is generated while this process trains, which needs "
+             "engines of their own (Ray actors); an in-process engine (--vllm) or HF generate shares the "
+             "trainer's devices")
     if args.load_in_4bit and (args.vllm or args.ray):  # merged_weights would add LoRA deltas to packed uint8
         fail("--load_in_4bit with --vllm/--ray: the engines would need the 4-bit base dequantised and merged, "
              "which is not built; generate with HF generate (drop --vllm/--ray) or train LoRA on a bf16 base")
@@ -245,6 +254,14 @@ def all_reduce_sum(values):
     t = torch.tensor(values, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_reduce_max(values):
+    """The largest of each float over ranks."""
+    t = torch.tensor(values, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 
@@ -897,11 +914,12 @@ def approx_kl(logprobs, ref_logprobs, estimator="k1"):
 
 
 # ----------------------------------------------------------------------------------- rollout engines
-def start_rollout_engine(args, model):
+def start_rollout_engine(args, model, version=0):
     """--vllm: a vLLM engine in each trainer process; --ray: --vllm_num_engines engines as Ray actors. Either
-    has generate(prompts, **sampling) and sync(model, args), and has the policy's weights when it returns."""
+    has generate(prompts, with_version=False, **sampling) and sync(model, args, version), and has the
+    policy's weights (of trainer step `version`) when it returns."""
     engine = RayEngines(args, model) if args.ray else VLLMEngine(args, model)
-    engine.sync(model, args)
+    engine.sync(model, args, version)
     return engine
 
 
@@ -973,18 +991,22 @@ class VLLMEngine(VLLMHost):
             groups = [dist.new_group(list(range(r, r + tp)), backend="gloo") for r in range(0, world, tp)]
             self.tp_group = groups[dist.get_rank() // tp]
 
-    def generate(self, prompts, **sampling):
+    def generate(self, prompts, with_version=False, **sampling):
+        """VLLMHost.generate; with_version: and the version of the weights it used (the last sync's)."""
         if self.tp_group is None:
-            return super().generate(prompts, **sampling)
-        shares = [None] * dist.get_world_size(self.tp_group)
-        dist.all_gather_object(shares, [p.tolist() for p in prompts], group=self.tp_group)
-        out = super().generate([p for share in shares for p in share], **sampling)
-        start = sum(map(len, shares[:dist.get_rank(self.tp_group)]))
-        mine = slice(start, start + len(prompts))
-        return (out[0][mine], out[1][mine]) if isinstance(out, tuple) else out[mine]
+            out = super().generate(prompts, **sampling)
+        else:
+            shares = [None] * dist.get_world_size(self.tp_group)
+            dist.all_gather_object(shares, [p.tolist() for p in prompts], group=self.tp_group)
+            out = super().generate([p for share in shares for p in share], **sampling)
+            start = sum(map(len, shares[:dist.get_rank(self.tp_group)]))
+            mine = slice(start, start + len(prompts))
+            out = (out[0][mine], out[1][mine]) if isinstance(out, tuple) else out[mine]
+        return (out, self.version) if with_version else out
 
-    def sync(self, model, args):
+    def sync(self, model, args, version=0):
         self.load_weights(merged_weights(model, args))
+        self.version = version
 
 
 def _repack_lm_head(worker):
@@ -1006,7 +1028,7 @@ class RayEngine(VLLMHost):
     two steps, so the trainer can see which GPU the actor got before vLLM claims its memory."""
 
     def __init__(self, *host_args):  # VLLMHost's (args, vocab_size, tied_embeddings, seed); no engine yet
-        self.host_args = host_args
+        self.host_args, self.version = host_args, 0  # version: the trainer step whose weights it holds
 
     def gpu(self):
         return gpu_uuid()
@@ -1021,14 +1043,26 @@ class RayEngine(VLLMHost):
     def join_weight_group(self, address, port, rank, world):
         self.group = weight_group(address, port, rank, world)
 
-    def receive_weights(self, specs):
-        """specs: (name, shape, dtype) in the order trainer rank 0 broadcasts them."""
+    def generate(self, prompts, **sampling):  # -> (VLLMHost.generate's result, the weights' version)
+        return super().generate(prompts, **sampling), self.version
+
+    def receive_weights(self, specs, version):
+        """specs: (name, shape, dtype) in the order trainer rank 0 broadcasts them. A Ray actor runs one call at
+        a time, so weights sent while it generates are taken between two generate calls, never mid-batch."""
         device = "cuda" if torch.cuda.is_available() else "cpu"
         tensors = []
         for name, shape, dtype in specs:
             tensors.append((name, torch.empty(shape, dtype=dtype, device=device)))
             self.group.broadcast(tensors[-1][1], 0).wait()
         self.load_weights(tensors)
+        self.version = version
+
+
+def exit_on_sigterm():
+    """After ray.init: Ray's SIGTERM handler aborts the process (a core dump and a stack trace in the log);
+    exit with one line instead, so ray.shutdown (registered at exit by ray.init) stops the engines and a
+    local cluster started here."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: fail("stopped by SIGTERM; the Ray engines stop with us"))
 
 
 @contextlib.contextmanager
@@ -1099,6 +1133,7 @@ class RayEngines:
                 # "local": a new cluster, even where one is running on this node (address=None would join it)
                 ray.init(address="local" if start_local else args.ray_address, namespace="rlhf-minimal",
                          include_dashboard=False)
+            exit_on_sigterm()
             # the others join the same cluster; a local one started here has token auth on (its token is in
             # ~/.ray), which ranks launched before it was started must be told
             address[:2] = ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_MODE")
@@ -1117,6 +1152,7 @@ class RayEngines:
             import ray
 
             ray.init(address=address[0], namespace="rlhf-minimal")
+            exit_on_sigterm()
             self.engines = [ray.get_actor(name) for name in names]
             return
         host, port = ray.util.get_node_ip_address(), free_port("")  # where the engines reach this process
@@ -1139,23 +1175,59 @@ class RayEngines:
             return f"--ray: a vLLM engine failed to start: {getattr(e, 'cause', None) or e}"
         return None
 
-    def generate(self, prompts, **sampling):
+    def generate(self, prompts, with_version=False, **sampling):
+        """VLLMHost.generate on this rank's engine; with_version: and the version of the weights it used."""
         import ray
 
         engine = self.engines[dist.get_rank() % len(self.engines)]
-        return ray.get(engine.generate.remote([p.tolist() for p in prompts], **sampling))
+        out, version = ray.get(engine.generate.remote([p.tolist() for p in prompts], **sampling))
+        return (out, version) if with_version else out
 
-    def sync(self, model, args):
-        """Every parameter, whole, from trainer rank 0 to all engines at once."""
+    def sync(self, model, args, version=0):
+        """Every parameter, whole, from trainer rank 0 to all engines at once; `version` names them (the
+        trainer step they are the weights of)."""
         import ray
 
         specs = [(name, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for name, p in engine_params(model)]
-        received = [e.receive_weights.remote(specs) for e in self.engines] if self.group is not None else []
+        received = [e.receive_weights.remote(specs, version) for e in self.engines] if self.group is not None \
+            else []
         for _, tensor in merged_weights(model, args):
             if self.group is not None:
                 self.group.broadcast(tensor.contiguous(), 0).wait()
         ray.get(received)
         dist.barrier()
+
+
+class Producer:
+    """--async_steps N: a thread that calls make() `count` times ahead of the trainer (make samples the next
+    batch on the Ray engines), so generation overlaps the update. It starts a new make() as soon as fewer
+    than N + 1 of its results are ahead of the trainer's release() calls (one after each weight sync): the
+    batch the trainer takes at step t was started after the sync of step t - N - 1, so on weights at most N
+    versions old. Results come out of get() in order; an exception in make() comes out of get() too. A
+    daemon thread: it never holds up the exit."""
+
+    def __init__(self, make, steps, count):
+        self.make, self.results = make, queue.Queue()
+        self.permits = threading.Semaphore(steps + 1)
+        threading.Thread(target=self.run, args=(count,), name="rollout-producer", daemon=True).start()
+
+    def run(self, count):
+        for _ in range(count):
+            self.permits.acquire()
+            try:
+                self.results.put((self.make(), None))
+            except BaseException as e:  # handed to the trainer, which stops on it
+                self.results.put((None, e))
+                return
+
+    def get(self):
+        result, error = self.results.get()
+        if error is not None:
+            raise error
+        return result
+
+    def release(self):
+        self.permits.release()
 
 
 # ------------------------------------------------------------------------------------ reward clients

@@ -222,15 +222,16 @@ def generate_hf(model, prompts, args, tokenizer, temperature):
     return out
 
 
-def generate_vllm(engine, prompts, args, eos_id, temperature, with_logprobs=False):
+def generate_vllm(engine, prompts, args, eos_id, temperature, with_logprobs=False, with_version=False):
     """vLLM (common.VLLMEngine in this process, or common.RayEngines): the same contract as generate_hf;
     with `with_logprobs` also the engine's log-prob of each sampled token, from the distribution it sampled
-    (at the temperature, renormalised over the top_p nucleus: common.VLLMHost asks for processed log-probs)."""
+    (at the temperature, renormalised over the top_p nucleus: common.VLLMHost asks for processed log-probs);
+    with `with_version` also the version of the weights it sampled with (the trainer step they are from)."""
     # ignore_eos: stop at eos_id only, not also at the eos ids of the checkpoint's tokenizer and
     # generation_config.json (vLLM adds those), exactly as generate_hf stops
-    return engine.generate(prompts, temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0,
-                           max_tokens=args.generate_max_len, stop_token_ids=[eos_id], ignore_eos=True,
-                           logprobs=0 if with_logprobs else None)
+    return engine.generate(prompts, with_version, temperature=temperature,
+                           top_p=args.top_p if temperature > 0 else 1.0, max_tokens=args.generate_max_len,
+                           stop_token_ids=[eos_id], ignore_eos=True, logprobs=0 if with_logprobs else None)
 
 
 def response_logprobs(model, batch, args, pad_id, with_entropy=False, entropy_grad=True):
@@ -319,15 +320,24 @@ def score(records, responses, reward_fn, tokenizer, args):
     return rewards, scores, {**logs, "stopped": stopped.float()}
 
 
-def sample_groups(prompt_records, generate, reward_fn, tokenizer, args, metrics):
-    """n_samples_per_prompt scored completions of each prompt -> one group per prompt: (records, responses,
-    engine log-probs (None without an engine), rewards [n], logs {name: [n]}). Adds the time spent to
-    metrics' generate_s and reward_s."""
-    n = args.n_samples_per_prompt
-    records = [r for r in prompt_records for _ in range(n)]
+def sample(prompt_records, generate, args):
+    """n_samples_per_prompt completions of each prompt, a group's consecutive -> {records, responses, engine
+    log-probs (None with HF generate), version of the weights that sampled (None with HF), generate_s}."""
+    records = [r for r in prompt_records for _ in range(args.n_samples_per_prompt)]
     t = time.time()
-    responses, engine_logprobs = generate([r["ids"] for r in records], args.temperature)
-    metrics["generate_s"] += time.time() - t
+    responses, engine_logprobs, version = generate([r["ids"] for r in records], args.temperature)
+    return dict(records=records, responses=responses, engine_logprobs=engine_logprobs, version=version,
+                generate_s=time.time() - t)
+
+
+def sample_groups(batch, reward_fn, tokenizer, args, metrics):
+    """A sampled batch, scored -> one group per prompt: (records, responses, engine log-probs (None without an
+    engine), rewards [n], logs {name: [n]}). Adds the time spent to metrics' generate_s and reward_s."""
+    n, records, responses, engine_logprobs = (args.n_samples_per_prompt, batch["records"], batch["responses"],
+                                              batch["engine_logprobs"])
+    metrics["generate_s"] += batch["generate_s"]
+    metrics["wait_s"] += batch["wait_s"]  # in step, or the time the producer's batch was not ready yet
+    metrics["versions"].append(batch["version"])
     t = time.time()
     rewards, scores, logs = score(records, responses, reward_fn, tokenizer, args)
     metrics["reward_s"] += time.time() - t
@@ -336,21 +346,23 @@ def sample_groups(prompt_records, generate, reward_fn, tokenizer, args, metrics)
              rewards[g:g + n], {k: v[g:g + n] for k, v in logs.items()}) for g in range(0, len(records), n)]
 
 
-def rollout(stream, generate, reward_fn, tokenizer, args):
+def rollout(draw, reward_fn, tokenizer, args):
     """This rank's share of one step: rollout_batch_size / world prompts, each with n_samples_per_prompt
-    scored completions (a group: consecutive samples). -> (records, responses, engine log-probs [N, R] or None,
-    rewards [N], logs {name: [N]}, metrics). --dynamic_filtering (DAPO) keeps only groups whose mean score is
-    strictly inside the range, drawing more prompts until the share is full; after 10 rounds dropped groups
-    top it up (logged). All ranks run the same rounds (ZeRO-3 generate)."""
+    scored completions (a group: consecutive samples); draw() gives the next sampled batch (sample's).
+    -> (records, responses, engine log-probs [N, R] or None, rewards [N], logs {name: [N]}, metrics).
+    --dynamic_filtering (DAPO) keeps only groups whose mean score is strictly inside the range, drawing more
+    prompts until the share is full; after 10 rounds dropped groups top it up (logged). All ranks run the
+    same rounds (ZeRO-3 generate)."""
     want = args.rollout_batch_size // dist.get_world_size()
-    metrics = dict(generate_s=0.0, reward_s=0.0, rounds=1, groups_dropped=0, groups_topped_up=0)
+    metrics = dict(generate_s=0.0, wait_s=0.0, reward_s=0.0, rounds=1, groups_dropped=0, groups_topped_up=0,
+                   versions=[])
     if not args.dynamic_filtering:
-        groups = sample_groups(next(stream), generate, reward_fn, tokenizer, args, metrics)
+        groups = sample_groups(draw(), reward_fn, tokenizer, args, metrics)
     else:
         lo, hi = args.dynamic_filtering_reward_range
         kept, dropped, metrics["rounds"] = [], [], 0
         while True:
-            for group in sample_groups(next(stream), generate, reward_fn, tokenizer, args, metrics):
+            for group in sample_groups(draw(), reward_fn, tokenizer, args, metrics):
                 mean_score = group[4]["score"].double().mean().item()
                 (kept if lo < mean_score < hi else dropped).append(group)
             metrics["rounds"] += 1
@@ -373,7 +385,7 @@ def evaluate(eval_records, generate, reward_fn, tokenizer, args):
     n = args.eval_n_samples_per_prompt
     mine, real = common.rank_share(eval_records)  # fillers keep ZeRO-3 ranks in step
     records = [r for r in mine for _ in range(n)]
-    responses, _ = generate([r["ids"] for r in records], args.eval_temperature)
+    responses, _, _ = generate([r["ids"] for r in records], args.eval_temperature)
     rewards, _, logs = score(records, responses, reward_fn, tokenizer, args)
     real = torch.tensor(real)
     per_prompt = {k: v.reshape(-1, n)[real] for k, v in {"reward": rewards, **dict(sorted(logs.items()))}.items()}
@@ -405,6 +417,8 @@ def parse_args():
     a("--vllm_num_engines", type=int, default=1, help="with --ray: how many vLLM engines")
     a("--vllm_tensor_parallel_size", type=int, default=1, help="GPUs per engine (--vllm: that many ranks share one)")
     a("--enable_prefix_caching", action="store_true", help="vLLM reuses the KV cache of shared prompt prefixes")
+    a("--async_steps", type=int, default=0,
+      help="with --ray: generate the next batches while training, on weights up to N steps old (0: in step)")
     # rewards
     a("--remote_rm_url", default=None, help="reward server URL (/get_reward API) or a .py file with reward_func")
     a("--remote_rm_batch_size", type=int, default=64, help="queries per HTTP request")
@@ -472,6 +486,9 @@ def parse_args():
         common.fail("--tau_pos and --tau_neg must be > 0")
     if args.kl_ratio_weighted and not (args.use_kl_loss and args.init_kl_coef > 0):
         common.fail("--kl_ratio_weighted weights the KL loss: add --use_kl_loss and --init_kl_coef > 0")
+    if args.async_steps and args.dynamic_filtering:  # its extra rounds would wait on batches not yet allowed
+        common.fail("--dynamic_filtering draws as many batches as a step needs, --async_steps samples a fixed "
+                    "number ahead: use one of them")
     if args.overlong_buffer_len >= args.generate_max_len:
         common.fail("--overlong_buffer_len must be below --generate_max_len")
     common.check_rl_options(args)
@@ -520,14 +537,31 @@ def main():
     cursor = [state.get("prompt_cursor", 0)]
     stream = common.prompt_batches(prompts, args, cursor)
     # --vllm / --ray: vLLM engines fed the actor's weights (and again after every update); else HF generate
-    engine = common.start_rollout_engine(args, actor.module) if args.vllm or args.ray else None
+    engine = common.start_rollout_engine(args, actor.module, start_step) if args.vllm or args.ray else None
 
-    def generate(prompts, temperature):  # -> completions, and the engine's log-prob of each token (or None)
-        if engine is None:
-            return generate_hf(actor.module, prompts, args, tokenizer, temperature), None
-        return generate_vllm(engine, prompts, args, eos, temperature, with_logprobs=True)
+    def generate(prompts, temperature):  # -> completions, the engine's log-prob of each token, and the version
+        if engine is None:              #    of the weights that sampled (None, None with HF generate)
+            return generate_hf(actor.module, prompts, args, tokenizer, temperature), None, None
+        (responses, logprobs), version = generate_vllm(engine, prompts, args, eos, temperature, True, True)
+        return responses, logprobs, version
 
-    logger, results, totals = common.Logger(args, total_steps, start_step), {}, {"generate_s": 0.0, "train_s": 0.0}
+    def sample_next():  # the next prompts, sampled, and where the prompt stream stands after them (for resume)
+        return {**sample(next(stream), generate, args), "cursor": cursor[0]}
+
+    # --async_steps N: a producer thread samples the next batches on the Ray engines while this process trains,
+    # on weights at most N steps old (the rollout correction covers that too); else each step samples its own
+    producer = common.Producer(sample_next, args.async_steps, total_steps - start_step) \
+        if args.async_steps else None
+    taken = {"cursor": cursor[0]}  # the prompt stream's position after the batches trained on so far
+
+    def draw():
+        t = time.time()
+        batch = producer.get() if producer else sample_next()
+        taken["cursor"] = batch["cursor"]
+        return {**batch, "wait_s": time.time() - t}
+
+    logger, results = common.Logger(args, total_steps, start_step), {}
+    totals = dict(generate_s=0.0, wait_s=0.0, train_s=0.0, step_s=0.0)
     if eval_prompts:
         actor.module.eval()
         before = evaluate(eval_prompts, generate, reward_fn, tokenizer, args)
@@ -543,10 +577,11 @@ def main():
         kl_ratio_weighted=args.kl_ratio_weighted, rollout_correction=args.rollout_correction,
         rollout_correction_bounds=args.rollout_correction_bounds)
     for step in range(start_step, total_steps):
+        step_start = time.time()
         # 1. rollout: sample groups, score them; the log-probs the update starts from (no gradients)
         actor.module.eval()
-        records, responses, engine_logprobs, rewards, logs, metrics = rollout(stream, generate, reward_fn,
-                                                                              tokenizer, args)
+        records, responses, engine_logprobs, rewards, logs, metrics = rollout(draw, reward_fn, tokenizer, args)
+        versions = metrics.pop("versions")
         t = time.time()
         batch = [(r["ids"], response) for r, response in zip(records, responses)]  # N (prompt, response) pairs
         action_mask = pad_sequence([torch.ones(len(r), dtype=torch.bool) for r in responses], batch_first=True)
@@ -609,22 +644,28 @@ def main():
         # 4. weight sync: the rollout engines generate with the updated policy from the next step on
         if engine is not None:
             t_sync = time.time()
-            engine.sync(actor.module, args)
+            engine.sync(actor.module, args, version=step + 1)
             metrics["vllm_sync_s"] = time.time() - t_sync
+        if producer:
+            producer.release()  # the batch sampled from here on may use these weights
         metrics["train_s"] = time.time() - t
 
         # 5. log (means over all ranks), save, eval
+        metrics["step_s"] = time.time() - step_start  # rollout (or waiting for it), update, sync
         lengths = action_mask.sum(-1).tolist()
         out = common.all_reduce_means({"reward": rewards.tolist(), "response_len": lengths,
                                        "kl": [kl[i, :n].mean().item() for i, n in enumerate(lengths)], **logs,
                                        **stats, **{k: torch.cat(v) if v else [] for k, v in engine_stats.items()},
                                        **metrics, "_reward_sq": rewards.double() ** 2})
         out["reward_std"] = math.sqrt(max(out.pop("_reward_sq") - out["reward"] ** 2, 0.0))
+        if args.async_steps:  # how many updates behind the weights that sampled this step's batch were
+            out["staleness"] = common.all_reduce_means({"s": [float(step - v) for v in versions]})["s"]
+            out["staleness_max"] = common.all_reduce_max([float(step - min(versions))])[0]
         out["lr"] = actor.get_lr()[0]
         totals = {k: v + out[k] for k, v in totals.items()}
         logger.log(step + 1, out)
         if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
-            common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": cursor[0]})
+            common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": taken["cursor"]})
         if eval_prompts and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
             actor.module.eval()
             logger.log(step + 1, evaluate(eval_prompts, generate, reward_fn, tokenizer, args), prefix="eval")

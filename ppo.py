@@ -162,15 +162,16 @@ def generate_hf(model, prompts, args, tokenizer, temperature):
     return out
 
 
-def generate_vllm(engine, prompts, args, eos_id, temperature, with_logprobs=False):
+def generate_vllm(engine, prompts, args, eos_id, temperature, with_logprobs=False, with_version=False):
     """vLLM (common.VLLMEngine in this process, or common.RayEngines): the same contract as generate_hf;
     with `with_logprobs` also the engine's log-prob of each sampled token, from the distribution it sampled
-    (at the temperature, renormalised over the top_p nucleus: common.VLLMHost asks for processed log-probs)."""
+    (at the temperature, renormalised over the top_p nucleus: common.VLLMHost asks for processed log-probs);
+    with `with_version` also the version of the weights it sampled with (the trainer step they are from)."""
     # ignore_eos: stop at eos_id only, not also at the eos ids of the checkpoint's tokenizer and
     # generation_config.json (vLLM adds those), exactly as generate_hf stops
-    return engine.generate(prompts, temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0,
-                           max_tokens=args.generate_max_len, stop_token_ids=[eos_id], ignore_eos=True,
-                           logprobs=0 if with_logprobs else None)
+    return engine.generate(prompts, with_version, temperature=temperature,
+                           top_p=args.top_p if temperature > 0 else 1.0, max_tokens=args.generate_max_len,
+                           stop_token_ids=[eos_id], ignore_eos=True, logprobs=0 if with_logprobs else None)
 
 
 def response_logprobs(model, batch, args, pad_id, with_entropy=False, entropy_grad=True):
@@ -282,7 +283,7 @@ def evaluate(eval_records, generate, reward_fn, eval_fn, tokenizer, args):
     n = args.eval_n_samples_per_prompt
     mine, real = common.rank_share(eval_records)  # fillers keep ZeRO-3 ranks in step
     records = [r for r in mine for _ in range(n)]
-    responses, _ = generate([r["ids"] for r in records], args.eval_temperature)
+    responses, _, _ = generate([r["ids"] for r in records], args.eval_temperature)
     rewards, _, _ = reward_fn(records, responses)
     per_prompt = {"reward": rewards}
     if eval_fn is not None:
@@ -318,6 +319,8 @@ def parse_args():
     a("--vllm_num_engines", type=int, default=1, help="with --ray: how many vLLM engines")
     a("--vllm_tensor_parallel_size", type=int, default=1, help="GPUs per engine (--vllm: that many ranks share one)")
     a("--enable_prefix_caching", action="store_true", help="vLLM reuses the KV cache of shared prompt prefixes")
+    a("--async_steps", type=int, default=0,
+      help="with --ray: generate the next batches while training, on weights up to N steps old (0: in step)")
     # models and rewards
     a("--critic_pretrain", default=None, help="critic start (default: the reward model, else the actor)")
     a("--reward_pretrain", default=None, help="a sequence-classification reward model")
@@ -425,31 +428,48 @@ def main():
     start_step, state = common.load_checkpoint(actor, args, with_state=True, others={"critic": critic})
     cursor, kl_coef = [state.get("prompt_cursor", 0)], state.get("kl_coef", args.init_kl_coef)
     stream = common.prompt_batches(prompts, args, cursor)
-    # --vllm / --ray: vLLM engines fed the actor's weights (and again after every update); else HF generate
-    engine = common.start_rollout_engine(args, actor.module) if args.vllm or args.ray else None
+    # --vllm / --ray: vLLM engines fed the actor's weights (and again after every update); else HF generate.
+    # A version counts the actor updates in the weights (none while --freezing_actor_steps train the critic).
+    actor_version = lambda step: max(step - args.freezing_actor_steps, 0)  # noqa: E731  (at the step's start)
+    engine = common.start_rollout_engine(args, actor.module, actor_version(start_step)) \
+        if args.vllm or args.ray else None
 
-    def generate(prompts, temperature):  # -> completions, and the engine's log-prob of each token (or None)
-        if engine is None:
-            return generate_hf(actor.module, prompts, args, tokenizer, temperature), None
-        return generate_vllm(engine, prompts, args, eos, temperature, with_logprobs=True)
+    def generate(prompts, temperature):  # -> completions, the engine's log-prob of each token, and the version
+        if engine is None:              #    of the weights that sampled (None, None with HF generate)
+            return generate_hf(actor.module, prompts, args, tokenizer, temperature), None, None
+        (responses, logprobs), version = generate_vllm(engine, prompts, args, eos, temperature, True, True)
+        return responses, logprobs, version
+
+    def sample_next():  # the next prompts, sampled, and where the prompt stream stands after them (for resume)
+        records = [r for r in next(stream) for _ in range(args.n_samples_per_prompt)]
+        t = time.time()
+        responses, engine_logprobs, version = generate([r["ids"] for r in records], args.temperature)
+        return dict(records=records, responses=responses, engine_logprobs=engine_logprobs, version=version,
+                    generate_s=time.time() - t, cursor=cursor[0])
+
+    # --async_steps N: a producer thread samples the next batches on the Ray engines while this process trains,
+    # on weights at most N actor updates old (the rollout correction covers that too); else each step samples
+    producer = common.Producer(sample_next, args.async_steps, total_steps - start_step) \
+        if args.async_steps else None
 
     logger, results = common.Logger(args, total_steps, start_step), {}
-    totals = dict(generate_s=0.0, forward_s=0.0, train_s=0.0, sync_s=0.0)
+    totals = dict(generate_s=0.0, wait_s=0.0, forward_s=0.0, train_s=0.0, sync_s=0.0, step_s=0.0)
     if eval_prompts:
         actor.module.eval()
         before = evaluate(eval_prompts, generate, reward_fn, eval_fn, tokenizer, args)
         logger.log(start_step, before, prefix="eval")
         results.update({f"eval_{k}_before": v for k, v in before.items()})
     for step in range(start_step, total_steps):
+        step_start = time.time()
         # 1. rollout: sample, score, and what the update starts from: log-probs, values, the reference's KL
         actor.module.eval()
         critic.module.eval()
         t = time.time()
-        records = [r for r in next(stream) for _ in range(args.n_samples_per_prompt)]
-        responses, engine_logprobs = generate([r["ids"] for r in records], args.temperature)
+        sampled = producer.get() if producer else sample_next()
+        records, responses, engine_logprobs = sampled["records"], sampled["responses"], sampled["engine_logprobs"]
         if engine_logprobs is not None:
             engine_logprobs = pad_sequence(engine_logprobs, batch_first=True).float()  # [N, R]
-        metrics = {"generate_s": time.time() - t}
+        metrics = {"generate_s": sampled["generate_s"], "wait_s": time.time() - t}  # generating, waiting for it
         t = time.time()
         scores, _, extra_logs = reward_fn(records, responses)  # [N]
         stopped = torch.tensor([r[-1].item() == eos for r in responses])
@@ -527,10 +547,13 @@ def main():
         metrics["sync_s"] = 0.0
         if engine is not None and train_actor:
             t = time.time()
-            engine.sync(actor.module, args)
+            engine.sync(actor.module, args, version=actor_version(step + 1))
             metrics["sync_s"] = time.time() - t
+        if producer:
+            producer.release()  # the batch sampled from here on may use these weights
 
         # 5. log (means over all ranks), adaptive KL, save, eval
+        metrics["step_s"] = time.time() - step_start  # rollout (or waiting for it), update, sync
         lengths = action_mask.sum(-1).tolist()
         ret, err = returns[action_mask].double(), (returns - values)[action_mask].double()  # [response tokens]
         out = common.all_reduce_means({
@@ -542,12 +565,16 @@ def main():
         error_var, returns_var = out.pop("_err_sq") - out.pop("_err") ** 2, out.pop("_ret_sq") - out.pop("_ret") ** 2
         out.update(explained_var=1 - error_var / max(returns_var, 1e-8), kl_coef=kl_coef,
                    actor_lr=actor.get_lr()[0], critic_lr=critic.get_lr()[0])
+        if args.async_steps:  # how many actor updates behind the weights that sampled this step's batch were
+            behind = float(actor_version(step) - sampled["version"])
+            out["staleness"] = common.all_reduce_means({"s": [behind]})["s"]
+            out["staleness_max"] = common.all_reduce_max([behind])[0]
         totals = {k: v + out[k] for k, v in totals.items()}
         logger.log(step + 1, out)
         if args.kl_target is not None:
             kl_coef = adaptive_kl_coef(kl_coef, out["kl"], args.kl_target, args.kl_horizon, samples_per_step)
         if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
-            common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": cursor[0], "kl_coef": kl_coef},
+            common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": sampled["cursor"], "kl_coef": kl_coef},
                                    others={"critic": critic})
         if eval_prompts and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
             actor.module.eval()

@@ -32,7 +32,7 @@ ONLY = {"--pretrain_mode": ("sft.py",), "--aux_loss_coef": ("sft.py", "prm.py", 
         **{o: ("ppo.py", "grpo.py") for o in ("--eval_n_samples_per_prompt", "--eval_temperature",
                                               "--enable_prefix_caching", "--no_advantage_std_norm",
                                               "--entropy_loss_coef", "--enforce_eager", "--rollout_correction",
-                                              "--rollout_correction_bounds")},
+                                              "--rollout_correction_bounds", "--async_steps")},
         **{o: ("grpo.py",) for o in ("--policy_loss_type", "--importance_sampling_level", "--delta", "--tau_pos",
                                      "--tau_neg", "--kl_ratio_weighted")}}
 
@@ -109,6 +109,9 @@ def test_help_lists_every_option_where_it_applies():
     ("grpo.py", ["--kl_ratio_weighted"], "--kl_ratio_weighted weights the KL loss: add --use_kl_loss"),
     ("grpo.py", ["--policy_loss_type", "sapo", "--tau_neg", 0], "--tau_pos and --tau_neg must be > 0"),
     ("grpo.py", ["--tau_pos", 2], "--tau_pos and --tau_neg are SAPO's: add --policy_loss_type sapo"),
+    ("grpo.py", ["--vllm", "--async_steps", 1], "--async_steps needs --ray: the next batch is generated while"),
+    ("grpo.py", ["--ray", "--async_steps", 1, "--dynamic_filtering"], "--dynamic_filtering draws as many batches"),
+    ("ppo.py", ["--remote_rm_url", ROOT / "toy.py", "--ray", "--async_steps", -1], "--async_steps must be >= 0"),
     ("sft.py", ["--multiturn"],
      "--multiturn renders each conversation with the chat template: add --apply_chat_template"),
 ])

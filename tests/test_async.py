@@ -1,0 +1,170 @@
+"""--async_steps N (grpo.py and ppo.py with --ray): the next batches are generated on the Ray engine while the
+trainer updates. Checked: no batch is more than N weight versions old, and the engine's log-probs of each
+batch equal a plain HF forward of exactly the weights the engine reported (snapshotted as the trainer sent
+them), and not of the newer ones; a resumed run trains on the same prompts; SIGTERM and an exception in the
+trainer leave no Ray process behind."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+# conftest puts the repository on sys.path: this file also runs as a script (recorded_run)
+from conftest import ROOT, results, run_script, stock_accuracy, weights
+
+STEPS = ["--max_samples", 80, "--rollout_batch_size", 16, "--n_samples_per_prompt", 4, "--train_batch_size", 32,
+         "--micro_train_batch_size", 16, "--logging_steps", 1]  # 5 steps of 16 prompts x 4 samples
+
+
+def ray_processes():
+    """The Ray processes on this machine (head, raylet, workers and actors)."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines()
+            if any(k in line for k in ("ray::", "raylet", "gcs_server", "ray/dashboard", "log_monitor"))}
+
+
+def recorded_run(out_path, *argv):
+    """Run grpo.py's main() in this process, recording each batch the trainer takes (prompts, tokens, engine
+    log-probs, the version the engine reported) and the weights of each version as the trainer sends them."""
+    import common
+    import grpo
+
+    taken, sent = [], {}
+    sample, sync = grpo.sample, common.RayEngines.sync
+
+    def recording_sample(prompt_records, generate, args):
+        batch = sample(prompt_records, generate, args)
+        taken.append({"prompts": [r["ids"].tolist() for r in batch["records"]],
+                      "responses": [r.tolist() for r in batch["responses"]],
+                      "engine_logprobs": [lp.tolist() for lp in batch["engine_logprobs"]],
+                      "version": batch["version"]})
+        return batch
+
+    def recording_sync(self, model, args, version=0):
+        sent[version] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return sync(self, model, args, version)
+
+    grpo.sample, common.RayEngines.sync = recording_sample, recording_sync
+    sys.argv = ["grpo.py", *argv]
+    grpo.main()
+    torch.save({"taken": taken, "sent": sent}, out_path)
+
+
+def logprobs_under(model, prompt, response, temperature):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].double() / temperature
+    logp = torch.log_softmax(logits, -1)
+    return logp[torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1), torch.tensor(response)]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_async_batches_are_at_most_n_versions_old(policy, tmp_path, n):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "record.pt"
+    proc = subprocess.run([sys.executable, __file__, str(out), *map(str, STEPS), "--pretrain", str(policy),
+                           "--eval_dataset", "", "--ray", "--async_steps", str(n), "--temperature", "0.8",
+                           "--learning_rate", "5e-4",
+                           "--save_path", str(tmp_path / "run")], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, env=dict(os.environ, TORCHDYNAMO_DISABLE="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = torch.load(out)
+    taken, sent = record["taken"], record["sent"]
+    versions = [b["version"] for b in taken]
+    assert len(taken) == 5 and sorted(sent) == [0, 1, 2, 3, 4, 5]
+    # step t trains on weights of version t (t updates); its batch was sampled with weights t - n .. t
+    assert all(t - n <= v <= t for t, v in enumerate(versions)), versions
+    assert any(v == t - n for t, v in enumerate(versions) if t >= n), versions  # it really ran ahead
+    log = proc.stdout + proc.stderr
+    stale = [float(line.split(" staleness_max=")[1].split()[0]) for line in log.splitlines()
+             if line.startswith("train step")]
+    assert stale == [float(t - v) for t, v in enumerate(versions)]  # what the log says is what happened
+
+    model = AutoModelForCausalLM.from_pretrained(policy).eval()
+    for t, batch in enumerate(taken):
+        v = batch["version"]
+        model.load_state_dict(sent[v])
+        diff = max((torch.tensor(lp, dtype=torch.float64) - logprobs_under(model, p, r, 0.8)).abs().max().item()
+                   for p, r, lp in zip(batch["prompts"], batch["responses"], batch["engine_logprobs"]))
+        assert diff <= 1e-4, (t, v, diff)  # the engine had exactly the weights of the version it reported
+        if v + 1 in sent:
+            model.load_state_dict(sent[v + 1])
+            newer = max((torch.tensor(lp, dtype=torch.float64) - logprobs_under(model, p, r, 0.8)).abs().max().item()
+                        for p, r, lp in zip(batch["prompts"], batch["responses"], batch["engine_logprobs"]))
+            assert newer > 1e-3, (t, v, newer)  # and not the next version's
+
+
+def test_async_resume_trains_on_the_same_prompts(policy, tmp_path):
+    """A checkpoint stores where the prompt stream stood after the batch trained on, not after the batches the
+    producer sampled ahead: the resumed run samples those again and trains on exactly the prompts the
+    uninterrupted run trained on from there."""
+    flags = [*map(str, STEPS), "--pretrain", str(policy), "--eval_dataset", "", "--ray", "--async_steps", "1",
+             "--ckpt_path", str(tmp_path / "ckpt")]
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
+    for name, extra in (("a", ["--save_steps", "2"]), ("b", ["--load_checkpoint"])):
+        proc = subprocess.run([sys.executable, __file__, str(tmp_path / f"{name}.pt"), *flags, *extra,
+                               "--save_path", str(tmp_path / name)], capture_output=True, text=True, timeout=600,
+                              cwd=ROOT, env=env)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        if name == "a":  # resume from the step-2 checkpoint
+            (tmp_path / "ckpt" / "latest").write_text("global_step2")
+    a, b = torch.load(tmp_path / "a.pt")["taken"], torch.load(tmp_path / "b.pt")["taken"]
+    assert "resumed from" in proc.stdout + proc.stderr
+    assert [x["prompts"] for x in b] == [x["prompts"] for x in a[2:]]
+    assert b[0]["version"] == 2  # the engine starts on the checkpoint's weights
+
+
+@pytest.mark.parametrize("how", ["sigterm", "exception"])
+def test_async_run_stopped_leaves_no_ray_process(policy, tmp_path, how):
+    before = ray_processes()
+    flags = [*STEPS, "--max_samples", 800, "--pretrain", policy, "--eval_dataset", "", "--ray", "--async_steps", 1,
+             "--save_path", tmp_path / "run"]
+    if how == "exception":  # the trainer's reward function fails at the third step
+        reward = tmp_path / "reward.py"
+        reward.write_text("calls = [0]\n\ndef reward_func(queries, prompts, labels):\n    calls[0] += 1\n"
+                          "    if calls[0] == 3:\n        raise ValueError('the reward service went away')\n"
+                          "    return [0.0] * len(queries)\n")
+        proc = run_script("grpo.py", *flags, "--remote_rm_url", reward, check=False)
+        assert proc.returncode != 0 and "the reward service went away" in proc.stderr
+    else:
+        log = tmp_path / "log.txt"
+        with open(log, "w") as f:
+            proc = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"), *map(str, flags)], stdout=f,
+                                    stderr=subprocess.STDOUT, cwd=ROOT)
+            for _ in range(300):
+                if "train step 2:" in log.read_text() or proc.poll() is not None:
+                    break
+                time.sleep(1)
+            assert ray_processes() - before  # the engine and the cluster are up
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=120) != 0
+        assert "error: stopped by SIGTERM" in log.read_text() and "Traceback" not in log.read_text()
+    for _ in range(30):  # the cluster's processes exit within seconds of the driver
+        if not ray_processes() - before:
+            break
+        time.sleep(1)
+    assert not ray_processes() - before
+
+
+def test_ppo_async(policy, eval_file, tmp_path):
+    """ppo.py --ray --async_steps 1 with a critic warm-up step: the first batches come from the starting
+    weights, later ones at most one actor update old; it trains and reports the accuracy HF measures."""
+    proc = run_script("ppo.py", "--max_samples", 64, "--rollout_batch_size", 16, "--train_batch_size", 16,
+                      "--micro_train_batch_size", 16, "--logging_steps", 1, "--pretrain", policy, "--remote_rm_url",
+                      ROOT / "toy.py", "--eval_dataset", eval_file, "--ray", "--async_steps", 1,
+                      "--freezing_actor_steps", 1, "--actor_learning_rate", 1e-4, "--save_path", tmp_path / "p")
+    log = proc.stdout + proc.stderr
+    stale = [float(line.split(" staleness_max=")[1].split()[0]) for line in log.splitlines()
+             if line.startswith("train step")]
+    assert len(stale) == 4 and stale[:2] == [0, 0] and max(stale) == 1, stale  # steps 1-2: no actor update yet
+    assert results(tmp_path / "p")["eval_accuracy"] == stock_accuracy(tmp_path / "p", eval_file)
+    before, after = weights(policy), weights(tmp_path / "p")
+    assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-4
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    recorded_run(sys.argv[1], *sys.argv[2:])

@@ -12,9 +12,9 @@
    neighbour hurts both alike.
 3. Per run, from eval_results.json: seconds per step (step_s: rollout or the wait for it, update, weight
    sync), the engine's generation time (generate_s) and the trainer's wait for it (wait_s), and the
-   held-out accuracy (greedy, 200 prompts) after the same steps. "hidden" = 1 - wait / generate: the share
-   of generation the update covered. "bound" = the synchronous run's max(generate, step - generate): the
-   best an overlap of the two could do.
+   held-out accuracy (eval_reward: the 0/1 reward of greedy completions of 200 prompts) after the same
+   steps. "hidden" = 1 - wait / generate: the share of generation the update covered. "bound" = the
+   synchronous run's max(generate, step - generate): the best an overlap of the two could do.
 """
 
 import argparse
@@ -81,12 +81,12 @@ def main():
                 r = json.loads((out / "eval_results.json").read_text())
                 rows.setdefault((script, async_steps), []).append(r)
                 print(f"{script} --async_steps {async_steps} (repeat {repeat}): {r['step_s_per_step']:.3f} s/step, "
-                      f"accuracy {r['eval_accuracy']:.3f}", flush=True)
+                      f"accuracy {r['eval_reward']:.3f}", flush=True)
 
     def mean(rs, key):
         return statistics.mean(r[key] for r in rs)
 
-    start = mean(rows[(args.scripts[0], 0)], "eval_accuracy_before")
+    start = mean(rows[(args.scripts[0], 0)], "eval_reward_before")
     print(f"\n{args.steps} steps, {args.repeats} runs each (means); held-out accuracy before: {start:.3f}")
     print("| script | async_steps | s / step | generate s | wait s | hidden | vs sync | bound | accuracy |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -97,9 +97,10 @@ def main():
         for a in (0, 1):
             rs = rows[(script, a)]
             step, gen, wait = mean(rs, "step_s_per_step"), mean(rs, "generate_s_per_step"), mean(rs, "wait_s_per_step")
-            print(f"| {script} | {a} | {step:.3f} | {gen:.3f} | {wait:.3f} | {1 - wait / gen:.0%} | "
+            hidden = f"{1 - wait / gen:.0%}" if a else "-"  # synchronous: the step waits for all of it
+            print(f"| {script} | {a} | {step:.3f} | {gen:.3f} | {wait:.3f} | {hidden} | "
                   f"{sync_step / step:.2f}x | {step / bound:.2f} of bound | "
-                  f"{mean(rs, 'eval_accuracy'):.3f} |")
+                  f"{mean(rs, 'eval_reward'):.3f} |")
 
 
 if __name__ == "__main__":

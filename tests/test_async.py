@@ -151,7 +151,9 @@ def test_async_run_stopped_leaves_no_ray_process(policy, tmp_path, how):
 
 def test_ppo_async(policy, eval_file, tmp_path):
     """ppo.py --ray --async_steps 1 with a critic warm-up step: the first batches come from the starting
-    weights, later ones at most one actor update old; it trains and reports the accuracy HF measures."""
+    weights, later ones at most one actor update old; it trains, reports the accuracy HF measures, and leaves
+    no Ray process behind when it ends."""
+    before_run = ray_processes()
     proc = run_script("ppo.py", "--max_samples", 64, "--rollout_batch_size", 16, "--train_batch_size", 16,
                       "--micro_train_batch_size", 16, "--logging_steps", 1, "--pretrain", policy, "--remote_rm_url",
                       ROOT / "toy.py", "--eval_dataset", eval_file, "--ray", "--async_steps", 1,
@@ -163,6 +165,11 @@ def test_ppo_async(policy, eval_file, tmp_path):
     assert results(tmp_path / "p")["eval_accuracy"] == stock_accuracy(tmp_path / "p", eval_file)
     before, after = weights(policy), weights(tmp_path / "p")
     assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-4
+    for _ in range(30):
+        if not ray_processes() - before_run:
+            break
+        time.sleep(1)
+    assert not ray_processes() - before_run
 
 
 if __name__ == "__main__":

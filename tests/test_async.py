@@ -15,6 +15,8 @@ import torch
 # conftest puts the repository on sys.path: this file also runs as a script (recorded_run)
 from conftest import ROOT, results, run_script, stock_accuracy, weights
 
+import common  # noqa: E402
+
 STEPS = ["--max_samples", 80, "--rollout_batch_size", 16, "--n_samples_per_prompt", 4, "--train_batch_size", 32,
          "--micro_train_batch_size", 16, "--logging_steps", 1]  # 5 steps of 16 prompts x 4 samples
 
@@ -45,12 +47,41 @@ def recorded_run(out_path, *argv):
 
     def recording_sync(self, model, args, version=0):
         sent[version] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        time.sleep(1.0)  # a slow update: the producer gets as far ahead as it may, however busy the machine
         return sync(self, model, args, version)
 
     grpo.sample, common.RayEngines.sync = recording_sample, recording_sync
     sys.argv = ["grpo.py", *argv]
     grpo.main()
     torch.save({"taken": taken, "sent": sent}, out_path)
+
+
+def test_producer_runs_at_most_n_ahead_in_order():
+    """common.Producer alone, with a make() that notes the trainer's version when it starts: results in order,
+    `count` of them, each started on version >= its index - N, as far ahead as that allows; an error in
+    make() comes out of get()."""
+    for n in (0, 1, 3):
+        version, started = [0], []
+
+        def make():
+            started.append(version[0])
+            return len(started) - 1
+
+        producer = common.Producer(make, n, 6)
+        for t in range(6):
+            assert producer.get() == t
+            time.sleep(0.05)  # let it run ahead as far as it may
+            assert len(started) == min(t + n + 1, 6)  # n + 1 ahead of the t releases so far, never more
+            version[0] = t + 1  # the update, then the sync
+            producer.release()
+        time.sleep(0.05)
+        assert len(started) == 6 and all(v >= i - n for i, v in enumerate(started)), (n, started)
+
+    def failing():
+        raise ValueError("the engine went away")
+
+    with pytest.raises(ValueError, match="the engine went away"):
+        common.Producer(failing, 1, 3).get()
 
 
 def logprobs_under(model, prompt, response, temperature):
@@ -147,6 +178,17 @@ def test_async_run_stopped_leaves_no_ray_process(policy, tmp_path, how):
             break
         time.sleep(1)
     assert not ray_processes() - before
+
+
+def test_grpo_async_two_processes_zero3(policy, eval_file, tmp_path):
+    """Two trainer ranks under ZeRO-3 share one Ray engine, each with its own producer thread: staleness at
+    most 1 on both, and the reported accuracy is the saved model's."""
+    proc = run_script("grpo.py", *STEPS, "--pretrain", policy, "--eval_dataset", eval_file, "--ray", "--async_steps",
+                      1, "--zero_stage", 3, "--save_path", tmp_path / "z3", nproc=2)
+    stale = [float(line.split(" staleness_max=")[1].split()[0]) for line in (proc.stdout + proc.stderr).splitlines()
+             if line.startswith("train step")]
+    assert len(stale) == 5 and max(stale) == 1, stale
+    assert results(tmp_path / "z3")["eval_accuracy"] == stock_accuracy(tmp_path / "z3", eval_file)
 
 
 def test_ppo_async(policy, eval_file, tmp_path):

@@ -148,24 +148,12 @@ def quiet_libraries():
 
 
 def check_rl_options(args):
-    """grpo.py and ppo.py: the evaluation and vLLM options that only make sense together."""
-    for option in ("enable_prefix_caching", "enforce_eager", "vllm_gpu_memory_utilization"):
-        if getattr(args, option) not in (None, False) and not (args.vllm or args.ray):
-            fail(f"--{option} is a vLLM option: add --vllm or --ray")
+    """grpo.py and ppo.py: the evaluation, vLLM and rollout-correction options that only make sense together."""
+    check_engine_options(args)
     if args.eval_n_samples_per_prompt < 1:
         fail("--eval_n_samples_per_prompt must be >= 1")
     if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
         fail("--eval_n_samples_per_prompt > 1 needs --eval_temperature > 0 (greedy completions are identical)")
-    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
-        fail(f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization}: a share of the GPU, in (0, 1]")
-    if args.ray and args.vllm_tensor_parallel_size > 1:  # the actor receiving the broadcast needs a GPU of its own
-        fail("--ray engines have one GPU each (--vllm_tensor_parallel_size 1): more engines, or --vllm with "
-             "tensor parallelism")
-    tp, world = args.vllm_tensor_parallel_size, int(os.environ.get("WORLD_SIZE", 1))
-    local = local_world_size(world)
-    if args.vllm and (world % tp or local % tp):  # an engine's ranks are consecutive ones on one node
-        fail(f"--vllm_tensor_parallel_size {tp} must divide the {world} processes (each {tp} share an engine) "
-             f"and the {local} on each node")
     if args.async_steps < 0:
         fail("--async_steps must be >= 0")
     if args.async_steps and not args.ray:
@@ -195,6 +183,23 @@ def check_rl_options(args):
         if not 0 <= lo <= 1 <= hi:  # a token the engine and trainer agree on (weight 1) keeps its loss
             fail(f"--rollout_correction_bounds {lo} {hi}: need 0 <= LO <= 1 <= HI")
         args.rollout_correction_bounds = (lo, hi)
+
+
+def check_engine_options(args):
+    """grpo.py, ppo.py and dpo.py --online: the vLLM options that only make sense together."""
+    for option in ("enable_prefix_caching", "enforce_eager", "vllm_gpu_memory_utilization"):
+        if getattr(args, option) not in (None, False) and not (args.vllm or args.ray):
+            fail(f"--{option} is a vLLM option: add --vllm or --ray")
+    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
+        fail(f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization}: a share of the GPU, in (0, 1]")
+    if args.ray and args.vllm_tensor_parallel_size > 1:  # the actor receiving the broadcast needs a GPU of its own
+        fail("--ray engines have one GPU each (--vllm_tensor_parallel_size 1): more engines, or --vllm with "
+             "tensor parallelism")
+    tp, world = args.vllm_tensor_parallel_size, int(os.environ.get("WORLD_SIZE", 1))
+    local = local_world_size(world)
+    if args.vllm and (world % tp or local % tp):  # an engine's ranks are consecutive ones on one node
+        fail(f"--vllm_tensor_parallel_size {tp} must divide the {world} processes (each {tp} share an engine) "
+             f"and the {local} on each node")
     if args.load_in_4bit and (args.vllm or args.ray):  # merged_weights would add LoRA deltas to packed uint8
         fail("--load_in_4bit with --vllm/--ray: the engines would need the 4-bit base dequantised and merged, "
              "which is not built; generate with HF generate (drop --vllm/--ray) or train LoRA on a bf16 base")

@@ -570,6 +570,8 @@ def main():
                     scaled = loss * (len(idx) * gas * world / count)  # 0 for a filler
                     if args.aux_loss_coef and idx:  # a mixture of experts' router load-balancing loss
                         scaled = scaled + args.aux_loss_coef * aux_loss
+                        if epoch == 0:
+                            stats.setdefault("aux_loss", []).append(aux_loss.item())
                     actor.backward(scaled)
                     actor.step()
                     if epoch == 0 and idx:  # per pair, before this step's first update when updates == 1

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from conftest import ROOT, run_script, script_args, stock_eval_reward
 
 import common  # noqa: E402
+import dpo  # noqa: E402
 import families  # noqa: E402
 import grpo  # noqa: E402
 import ppo  # noqa: E402
@@ -112,6 +113,29 @@ def test_tokenizer_layout_and_sft_labels(family_dirs, family):
         trained = "".join(tok.decode([t]) if label != -100 else "\0" for t, label in zip(ids.tolist(), labels.tolist()))
         assert [span.strip() for span in trained.split("\0") if span] == [f"2{tok.eos_token}", f"4{tok.eos_token}"]
         assert bos_count(ids.tolist(), tok) == int(adds_bos)
+
+
+@pytest.mark.parametrize("family", families.FAMILIES)
+def test_dpo_pairs_split_where_generation_starts(family_dirs, family):
+    """dpo.py's pair: the prompt exactly as the RL scripts generate from it, then each response's tokens as the
+    whole text has them (sft.py's sample), through one stop token; never a second BOS."""
+    path = family_dirs[family] / "model"
+    record = {"input": "12+34=", "chosen": "46", "rejected": "47"}
+    for chat in ([True, False] if family in CHAT else [False]):
+        tok, args = load_tokenizer(path, family, chat)
+        prompt, chosen, rejected = (x.tolist() for x in dpo.tokenize_pair(record, tok, args, "x"))
+        eos = tok.eos_token
+        if chat:
+            conv = [{"role": "user", "content": "12+34="}]
+            rendered = tok.apply_chat_template(conv + [{"role": "assistant", "content": "46"}], tokenize=False)
+            want = tok(rendered[:rendered.rindex(eos) + len(eos)], add_special_tokens=False)["input_ids"]
+        else:
+            want = tok.convert_tokens_to_ids(PLAIN_SAMPLE[family])
+        text = common.format_prompt("12+34=", tok, args)  # as common.load_prompts tokenizes an RL prompt
+        assert prompt == tok(text, add_special_tokens=not chat)["input_ids"]
+        assert prompt + chosen == want, tok.convert_ids_to_tokens(prompt + chosen)
+        assert ends_in_one_eos(prompt + rejected, tok) and tok.decode(rejected[:-1]).strip() == "47"
+        assert bos_count(prompt + chosen, tok) == int(family in ("llama3_instruct", "mistral"))
 
 
 @pytest.mark.parametrize("family", families.FAMILIES)
@@ -274,6 +298,31 @@ def test_every_script_runs_on_the_family(family_dirs, family, tmp_path):
         prompts = [json.loads(line)["input"] for line in open(eval_prompts)]
         reported = json.loads((out / "eval_results.json").read_text())["eval_reward"]
         assert reported == pytest.approx(stock_eval_reward(out, rm_dir, prompts, chat), abs=1e-4), script
+
+    # dpo.py offline: the held-out log-probs it reports before training are the stock model's, one pair at a time,
+    # over the response tokens of the text (the template's rendering through the stop token, or prompt + response
+    # + EOS)
+    run_script("dpo.py", "--pretrain", sft_dir, "--dataset", root / "prefs.jsonl", *template, *small,
+               "--eval_dataset", root / "prefs.jsonl", "--save_path", tmp_path / "dpo")
+    reported = json.loads((tmp_path / "dpo" / "eval_results.json").read_text())["eval_logps/chosen_before"]
+    policy, logps = AutoModelForCausalLM.from_pretrained(sft_dir).double().eval(), []
+    with torch.no_grad():
+        for r in map(json.loads, open(root / "prefs.jsonl")):
+            if chat:
+                conv = [{"role": "user", "content": r["input"]}]
+                prompt = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+                full = tok.apply_chat_template(conv + [{"role": "assistant", "content": r["chosen"]}], tokenize=False)
+                full = full[:full.rindex(tok.eos_token) + len(tok.eos_token)]
+                n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
+                ids = tok(full, add_special_tokens=False)["input_ids"]
+            else:
+                n_prompt = len(tok(r["input"])["input_ids"])
+                ids = tok(r["input"])["input_ids"] + tok(r["chosen"], add_special_tokens=False)["input_ids"] + \
+                    [tok.eos_token_id]
+            ids = torch.tensor(ids[:96])
+            logp = torch.log_softmax(policy(ids[None]).logits[0, :-1].double(), -1)[torch.arange(len(ids) - 1), ids[1:]]
+            logps.append(logp[n_prompt - 1:].sum().item())
+    assert reported == pytest.approx(sum(logps) / len(logps), abs=1e-4)
 
     run_script("prm.py", "--pretrain", root / "model", "--dataset", root / "prm.jsonl", *small, "--save_path", prm_dir)
     server = Server("--reward_pretrain", rm_dir)

@@ -16,23 +16,24 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MixtralConfig, MixtralForCausalLM
 
 import common
+import dpo
 import grpo
 import ppo
 import sft
 from conftest import ROOT, results, run_script, script_args, stock_accuracy
 from test_e2e import stock_rm_eval, stock_sft_eval
 
-SCRIPTS = ("sft.py", "rm.py", "prm.py", "ppo.py", "grpo.py")
+SCRIPTS = ("sft.py", "rm.py", "prm.py", "ppo.py", "grpo.py", "dpo.py")
 EVERYWHERE = ["--lora_rank", "--lora_alpha", "--lora_dropout", "--target_modules", "--load_in_4bit", "--dataset",
               "--dataset_probs", "--eval_dataset", "--max_samples", "--tokenizer_chat_template", "--learning_rate",
               "--adam_betas", "--l2", "--lr_scheduler", "--lr_warmup_ratio", "--max_norm", "--max_epochs",
               "--overlap_comm", "--use_liger_kernel", "--logging_steps", "--eval_steps",
               "--save_steps", "--use_tensorboard", "--use_wandb"]
-ONLY = {"--pretrain_mode": ("sft.py",), "--aux_loss_coef": ("sft.py", "prm.py", "ppo.py", "grpo.py"),
+ONLY = {"--pretrain_mode": ("sft.py",), "--aux_loss_coef": ("sft.py", "prm.py", "ppo.py", "grpo.py", "dpo.py"),
         **{o: ("ppo.py", "grpo.py") for o in ("--eval_n_samples_per_prompt", "--eval_temperature",
-                                              "--enable_prefix_caching", "--no_advantage_std_norm",
-                                              "--entropy_loss_coef", "--enforce_eager", "--rollout_correction",
+                                              "--no_advantage_std_norm", "--entropy_loss_coef", "--rollout_correction",
                                               "--rollout_correction_bounds", "--async_steps")},
+        **{o: ("ppo.py", "grpo.py", "dpo.py") for o in ("--enable_prefix_caching", "--enforce_eager")},
         **{o: ("grpo.py",) for o in ("--policy_loss_type", "--importance_sampling_level", "--delta", "--tau_pos",
                                      "--tau_neg", "--kl_ratio_weighted")}}
 
@@ -42,7 +43,7 @@ import json, os, sys, warnings
 import torch, transformers
 from transformers import AttentionInterface
 env, filters, level = dict(os.environ), list(warnings.filters), transformers.logging.get_verbosity()
-import common, grpo, ppo, sft, rm, prm, serve_rm
+import common, grpo, ppo, sft, rm, prm, serve_rm, dpo
 print(json.dumps({"env": sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)),
                   "filters": warnings.filters == filters, "verbosity": transformers.logging.get_verbosity() == level,
                   "packed_sdpa": "packed_sdpa" in AttentionInterface._global_mapping}))
@@ -294,6 +295,20 @@ def test_moe_router_loss_matches_hugging_face(toy_world, tokenizer, tmp_path):
                    "--save_path", tmp_path / f"g{coef}")
         first.append(tb_scalars(tmp_path / f"tb{coef}", "train/policy_loss")[1])
     assert 0 < (first[0] - first[1]) / 0.5 <= config.num_local_experts
+
+    # dpo.py: the router loss of the first step's forward (chosen and rejected of its 16 pairs, padded) is Hugging
+    # Face's for the same sequences
+    run_script("dpo.py", "--pretrain", tmp_path / "moe", "--aux_loss_coef", 0.5, "--max_samples", 16,
+               "--train_batch_size", 16, "--micro_train_batch_size", 16, "--eval_dataset", "",
+               "--use_tensorboard", tmp_path / "tb_dpo", "--save_path", tmp_path / "d")
+    args = script_args(input_key="input", chosen_key="chosen", rejected_key="rejected")
+    pairs = [dpo.tokenize_pair(json.loads(line), tokenizer, args, "")
+             for line in open(toy_world / "pref_train.jsonl").readlines()[:16]]
+    ids, mask, _ = common.batch_sequences([torch.cat([p, c]) for p, c, _ in pairs] +
+                                          [torch.cat([p, r]) for p, _, r in pairs], tokenizer.pad_token_id, False)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    assert tb_scalars(tmp_path / "tb_dpo", "train/aux_loss")[1] == pytest.approx(out.aux_loss.item(), rel=1e-5)
 
 
 def test_no_advantage_std_norm_only_centers():

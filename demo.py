@@ -11,6 +11,9 @@ Stages run as plain commands (shown as they start), each from the previous stage
     python sft.py --max_epochs 4 ...    -> runs/sft_short   a weaker addition policy (33-51%) for RL to improve
     python grpo.py --pretrain runs/sft_short [--vllm] -> runs/grpo, runs/grpo_vllm
                                                             held-out accuracy before -> after, s/step
+    python dpo.py --pretrain runs/sft_short [--online --reward_pretrain runs/rm] -> runs/dpo, runs/dpo_online
+                                                            offline on the toy pairs; online on the policy's own
+                                                            samples ranked by the RM: exact match before -> after
     python ppo.py --pretrain runs/sft_short --reward_pretrain runs/rm --normalize_reward [--vllm | --ray]
                                         -> runs/ppo, runs/ppo_vllm, runs/ppo_ray (the same, per backend)
 """
@@ -50,6 +53,10 @@ def stages(world):
          "eval_accuracy", "held-out greedy accuracy"),
         ("GRPO vLLM", ["grpo.py", "--pretrain", "runs/sft_short", "--vllm", "--save_path", "runs/grpo_vllm"],
          "runs/grpo_vllm", "eval_accuracy", "held-out greedy accuracy"),
+        ("DPO", ["dpo.py", "--pretrain", "runs/sft_short", "--save_path", "runs/dpo"], "runs/dpo", "eval_exact_match",
+         "held-out exact match"),
+        ("DPO online", ["dpo.py", "--pretrain", "runs/sft_short", "--online", "--reward_pretrain", "runs/rm",
+                        "--save_path", "runs/dpo_online"], "runs/dpo_online", "eval_accuracy", "held-out greedy accuracy"),
         ("PPO", ["ppo.py", *ppo, "--save_path", "runs/ppo"], "runs/ppo", "eval_accuracy", "held-out greedy accuracy"),
         ("PPO vLLM", ["ppo.py", *ppo, "--vllm", "--save_path", "runs/ppo_vllm"], "runs/ppo_vllm", "eval_accuracy",
          "held-out greedy accuracy"),

@@ -13,7 +13,8 @@ Stages run as plain commands (shown as they start), each from the previous stage
                                                             held-out accuracy before -> after, s/step
     python dpo.py --pretrain runs/sft_short [--online --reward_pretrain runs/rm] -> runs/dpo, runs/dpo_online
                                                             offline on the toy pairs; online on the policy's own
-                                                            samples ranked by the RM: exact match before -> after
+                                                            samples ranked by the RM: held-out exact match, or
+                                                            greedy accuracy, before -> after
     python ppo.py --pretrain runs/sft_short --reward_pretrain runs/rm --normalize_reward [--vllm | --ray]
                                         -> runs/ppo, runs/ppo_vllm, runs/ppo_ray (the same, per backend)
 """

@@ -76,6 +76,15 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
     return loss.mean(), chosen_rewards, rejected_rewards
 
 
+def pairs_loss(chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_len, args):
+    """dpo_loss of summed log-probs [B] as the loop has them: for ipo each divided by its response's token count
+    [B] first (per-token means)."""
+    if args.loss_type == "ipo":
+        chosen, ref_chosen = chosen / chosen_len, ref_chosen / chosen_len
+        rejected, ref_rejected = rejected / rejected_len, ref_rejected / rejected_len
+    return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type, args.label_smoothing)
+
+
 # ---------------------------------------------------------------------------------------- log-probs
 def sequence_logps(model, batch, pad_id, packing):
     """log pi(response | prompt), summed over the response tokens, at temperature 1 (the policy itself, whatever
@@ -115,6 +124,7 @@ def pair_logps(model, pairs, pad_id, packing):
     return logps[:n], logps[n:], lengths[:n], lengths[n:], aux_loss
 
 
+# ------------------------------------------------------------------------------------------- the update
 @contextlib.contextmanager
 def adapters_off(model):
     """--lora_rank: inside the block the model is its base, the adapters switched off: the reference, no copy."""
@@ -144,18 +154,23 @@ def tokenize_pair(record, tokenizer, args, where):
     responses = [record[args.chosen_key], record[args.rejected_key]]
     if responses[0] == responses[1]:
         common.fail(f"{where}: chosen and rejected are the same response; a pair needs two different ones")
+    if not chat and any(isinstance(x, list) for x in [prompt] + responses):
+        common.fail(f"{where}: chat messages need --apply_chat_template")
     if chat:
         if prompt is None:  # whole conversations: the prompt is everything before the last turn
             if not all(isinstance(r, list) and r for r in responses) or responses[0][:-1] != responses[1][:-1]:
                 common.fail(f"{where}: with --input_key '' the chosen and rejected conversations must differ only "
                             "in their last turn (the prompt is what comes before it)")
             prompt, responses = responses[0][:-1], [r[-1:] for r in responses]
+        if any(isinstance(r, list) and (not r or r[0].get("role") != "assistant") for r in responses):
+            common.fail(f"{where}: a chosen or rejected conversation that repeats the prompt: give --input_key '' "
+                        "(the prompt is then what precedes the last turn)")
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt_text = render(tokenizer, messages, where, add_generation_prompt=True)
         texts, eos = [], tokenizer.eos_token
         for r in responses:
-            full = tokenizer.apply_chat_template(
-                messages + (r if isinstance(r, list) else [{"role": "assistant", "content": r}]), tokenize=False)
+            full = render(tokenizer, messages + (r if isinstance(r, list) else [{"role": "assistant", "content": r}]),
+                          where)
             if not full.startswith(prompt_text):
                 common.fail(f"{where}: the chat template renders the prompt differently once a reply follows")
             reply = full[len(prompt_text):]
@@ -177,10 +192,19 @@ def tokenize_pair(record, tokenizer, args, where):
     return tuple(out)
 
 
+def render(tokenizer, messages, where, add_generation_prompt=False):
+    """The chat template's text; its own raise_exception (roles that do not alternate, ...) as one line."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # jinja2's TemplateError and what a template raises
+        common.fail(f"{where}: the chat template cannot render it ({' '.join(str(e).split())[:200]})")
+
+
 def load_pairs(source, split, tokenizer, args, max_samples=None, probs=None):
     """Offline data -> (prompt, chosen, rejected) triples, and the chosen text of each (what --eval_generate_samples
     compares greedy answers with). A pair longer than --max_len keeps its prompt and cuts its responses; one whose
-    prompt alone does not fit is dropped; both are counted."""
+    prompt alone does not fit, or whose responses are the same once cut (no preference left), is dropped; all
+    counted."""
     keys = [k for k in (args.input_key, args.chosen_key, args.rejected_key) if k]
     records, where = common.load_records(source, split, keys, max_samples, with_locations=True, probs=probs,
                                          seed=args.seed)
@@ -188,7 +212,7 @@ def load_pairs(source, split, tokenizer, args, max_samples=None, probs=None):
     for record, location in zip(records, where):
         prompt, chosen, rejected = tokenize_pair(record, tokenizer, args, location)
         room = args.max_len - len(prompt)
-        if room <= 0:
+        if room <= 0 or torch.equal(chosen[:room], rejected[:room]):
             continue
         cut += max(len(chosen), len(rejected)) > room
         pairs.append((prompt, chosen[:room], rejected[:room]))
@@ -197,8 +221,8 @@ def load_pairs(source, split, tokenizer, args, max_samples=None, probs=None):
     if not pairs:
         common.fail(f"{source}: no pair's prompt fits in --max_len {args.max_len}")
     if (cut or len(pairs) < len(records)) and common.is_rank0():
-        common.console.print(f"{source}: {len(records) - len(pairs)} pairs dropped (prompt over --max_len), {cut} "
-                             "with responses cut to fit")
+        common.console.print(f"{source}: {len(records) - len(pairs)} pairs dropped (the prompt over --max_len, or "
+                             f"the responses the same once cut to fit), {cut} with responses cut")
     return pairs, answers
 
 
@@ -266,7 +290,7 @@ def client_rewards(client, records, responses, tokenizer):
 
 def sample_pairs(prompt_records, generate, reward_fn, tokenizer, args):
     """Two completions of each prompt from the current policy, scored -> a dict: pairs (prompt, chosen, rejected),
-    chosen the higher score; scores [P, 2] of those pairs; ties, the prompts whose two samples scored the same or
+    chosen the higher score; pair_scores [P, 2], their scores; ties, the prompts whose two samples scored the same or
     are the same completion (no preference: not trained on); and per-sample logs."""
     records = [r for r in prompt_records for _ in range(2)]  # a prompt's two samples are consecutive
     t = time.time()
@@ -287,7 +311,7 @@ def sample_pairs(prompt_records, generate, reward_fn, tokenizer, args):
             pair_scores.append([scores[first].item(), scores[second].item()])
     logs = {"objective/scores": scores, "val/sequence_lengths": [float(len(r)) for r in responses],
             "val/stopped": stopped.float(), **extra_logs}
-    return dict(pairs=pairs, scores=torch.tensor(pair_scores).reshape(-1, 2), ties=ties, logs=logs,
+    return dict(pairs=pairs, pair_scores=torch.tensor(pair_scores).reshape(-1, 2), ties=ties, logs=logs,
                 generate_s=generate_s, reward_s=time.time() - t)
 
 
@@ -296,25 +320,22 @@ def sample_pairs(prompt_records, generate, reward_fn, tokenizer, args):
 def evaluate_pairs(model, reference, pairs, answers, tokenizer, args):
     """Offline: DPO's implicit reward on held-out pairs, accuracy (chosen's higher) and margin, the loss and the
     log-probs; and the exact match of greedy answers with the chosen response on the first --eval_generate_samples."""
+    shards = common.eval_shard(pairs, args.micro_train_batch_size)  # fillers: run, not counted
+    with reference() as ref:  # one pass each: an offloaded reference moves once, adapters switch off once
+        ref_logps = [pair_logps(ref, batch, tokenizer.pad_token_id, False)[:2] for batch, _ in shards]
     stats = {k: [] for k in ("loss", "accuracy", "margin", "logps/chosen", "logps/rejected")}
-    for batch, real in common.eval_shard(pairs, args.micro_train_batch_size):  # fillers: run, not counted
-        logps = pair_logps(model, batch, tokenizer.pad_token_id, False)[:4]  # chosen, rejected [b], their lengths
-        with reference() as ref:
-            ref_logps = pair_logps(ref, batch, tokenizer.pad_token_id, False)[:2]
+    for (batch, real), (ref_chosen, ref_rejected) in zip(shards, ref_logps):
+        chosen, rejected, chosen_len, rejected_len, _ = pair_logps(model, batch, tokenizer.pad_token_id, False)
         real = torch.tensor(real)
         if not real.any():
             continue
-        chosen, rejected, chosen_len, rejected_len = [x.cpu()[real] for x in logps]
-        ref_chosen, ref_rejected = [x.cpu()[real] for x in ref_logps]
-        scale = (chosen_len, rejected_len) if args.loss_type == "ipo" else (1, 1)  # IPO: per-token means
-        loss, chosen_rewards, rejected_rewards = dpo_loss(chosen / scale[0], rejected / scale[1],
-                                                          ref_chosen / scale[0], ref_rejected / scale[1], args.beta,
-                                                          args.loss_type, args.label_smoothing)
-        stats["loss"] += [loss.item()] * len(chosen)  # a batch mean, weighted by its pairs
+        picked = [x.cpu()[real] for x in (chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_len)]
+        loss, chosen_rewards, rejected_rewards = pairs_loss(*picked, args)
+        stats["loss"] += [loss.item()] * len(picked[0])  # a batch mean, weighted by its pairs
         stats["accuracy"] += (chosen_rewards > rejected_rewards).float().tolist()
         stats["margin"] += (chosen_rewards - rejected_rewards).tolist()
-        stats["logps/chosen"] += chosen.tolist()
-        stats["logps/rejected"] += rejected.tolist()
+        stats["logps/chosen"] += picked[0].tolist()
+        stats["logps/rejected"] += picked[1].tolist()
     stats["exact_match"] = []
     for batch, real in common.eval_shard(list(zip(pairs, answers))[:max(args.eval_generate_samples, 0)],
                                          args.micro_train_batch_size):
@@ -412,7 +433,8 @@ def parse_args():
                     "offload; drop it, or give --ref_pretrain")
     if not args.online:
         given = [o for o in ("vllm", "ray", "reward_pretrain", "remote_rm_url", "eval_reward_func", "non_stop_penalty",
-                             "label_key") if getattr(args, o) not in (None, False)]
+                             "label_key", "enforce_eager", "enable_prefix_caching", "vllm_gpu_memory_utilization")
+                 if getattr(args, o) not in (None, False)]
         if given:
             common.fail(f"--{given[0]} is for --online (pairs of the policy's own samples); offline DPO trains on "
                         "the --dataset pairs")
@@ -423,6 +445,8 @@ def parse_args():
         if args.eval_generate_samples:
             common.fail("--eval_generate_samples is offline DPO's (exact match with the chosen response); --online "
                         "evaluates greedy completions of --eval_dataset with the reward (and --eval_reward_func)")
+        if args.temperature <= 0:
+            common.fail("--online needs --temperature > 0: two greedy completions of a prompt are the same (a tie)")
         if args.rollout_batch_size % args.train_batch_size:
             common.fail(f"--rollout_batch_size {args.rollout_batch_size} must be a multiple of --train_batch_size "
                         f"{args.train_batch_size} (prompts, one pair each before ties are dropped)")
@@ -475,6 +499,8 @@ def main():
     def reference():  # a context: the model that gives the reference log-probs
         return adapters_off(actor.module) if ref is None else common.on_accelerator(ref, offloaded)
 
+    start_step, state = common.load_checkpoint(actor, args, with_state=True)
+    engine = None
     if args.online:
         if args.reward_pretrain:
             rm = common.load_frozen(args.reward_pretrain, args, tokenizer, cfg,
@@ -486,8 +512,6 @@ def main():
             def reward_fn(records, responses):
                 rewards, _, logs = client_rewards(client, records, responses, tokenizer)
                 return rewards, logs
-    start_step, state = common.load_checkpoint(actor, args, with_state=True)
-    if args.online:
         cursor = [state.get("prompt_cursor", 0)]
         stream = common.prompt_batches(prompts, args, cursor)
         # --vllm / --ray: vLLM engines fed the policy's weights (and again after every step); else HF generate
@@ -497,36 +521,39 @@ def main():
             if engine is None:
                 return generate_hf(actor.module, prompts, args, tokenizer, temperature)
             return generate_vllm(engine, prompts, args, eos, temperature)
+
+        def next_pairs():  # two samples of each of this rank's prompts, scored; chosen = the higher, ties dropped
+            return sample_pairs(next(stream), generate, reward_fn, tokenizer, args)
+
+        def evaluate():
+            return evaluate_online(eval_prompts, generate, reward_fn, eval_fn, tokenizer, args)
     else:
         batches = common.train_batches(len(train), args, start_step)
 
-    def evaluate():
-        actor.module.eval()
-        if args.online:
-            return evaluate_online(eval_prompts, generate, reward_fn, eval_fn, tokenizer, args)
-        return evaluate_pairs(actor.module, reference, eval_pairs, eval_answers, tokenizer, args)
+        def next_pairs():  # this rank's share of the next --train_batch_size pairs
+            _, _, micro = next(batches)
+            return dict(pairs=[train[i] for mb in micro for i in mb], ties=[], logs={})
+
+        def evaluate():
+            return evaluate_pairs(actor.module, reference, eval_pairs, eval_answers, tokenizer, args)
 
     has_eval = bool(eval_prompts if args.online else eval_pairs)
     logger, results = common.Logger(args, total_steps, start_step), {}
-    totals = dict(generate_s=0.0, reward_s=0.0, ref_s=0.0, train_s=0.0, sync_s=0.0, step_s=0.0)
+    totals = dict(generate_s=0.0, reward_s=0.0, ref_s=0.0, train_s=0.0, sync_s=0.0, step_s=0.0) if args.online \
+        else dict(ref_s=0.0, train_s=0.0, step_s=0.0)
     if has_eval:
+        actor.module.eval()
         before = evaluate()
         logger.log(start_step, before, prefix="eval")
         results.update({f"eval_{k}_before": v for k, v in before.items()})
-    per_token = args.loss_type == "ipo"  # IPO compares per-token mean log-probs
     for step in range(start_step, total_steps):
         step_start = time.time()
         # 1. pairs: offline, this rank's share of the next --train_batch_size; online, two samples of each prompt
         #    from the current policy, scored, chosen = the higher (ties dropped)
         actor.module.eval()
-        metrics = dict(generate_s=0.0, reward_s=0.0)
-        if args.online:
-            sampled = sample_pairs(next(stream), generate, reward_fn, tokenizer, args)
-            pairs, ties, pair_scores = sampled["pairs"], sampled["ties"], sampled["scores"]  # scores [P, 2]
-            metrics.update(generate_s=sampled["generate_s"], reward_s=sampled["reward_s"])
-        else:
-            _, _, micro = next(batches)
-            pairs, ties = [train[i] for mb in micro for i in mb], []
+        drawn = next_pairs()
+        pairs, ties = drawn["pairs"], drawn["ties"]
+        metrics = {k: drawn[k] for k in ("generate_s", "reward_s") if k in drawn}
         filler = (pairs + ties)[0]  # what an empty micro-batch runs, with weight 0 (ZeRO-3 runs every forward)
         layout = micro_batches(len(pairs), updates, gas)  # [updates][gas] lists of pair indices
         # the pairs each optimizer step has on all ranks: its loss is their mean
@@ -549,7 +576,10 @@ def main():
         #    (DeepSpeed averages micro-batches and ranks).
         actor.module.train()
         stats = {k: [] for k in ("objective/loss", "logps/chosen", "logps/rejected", "rewards/chosen",
-                                 "rewards/rejected", "rewards/margin", "rewards/accuracy", "_kl", "_rlhf_reward")}
+                                 "rewards/rejected", "rewards/margin", "rewards/accuracy",
+                                 *(["nll_loss"] if args.nll_loss_coef else []),
+                                 *(["aux_loss"] if args.aux_loss_coef else []),
+                                 *(["objective/kl", "objective/rlhf_reward"] if args.online else []))}
         for epoch in range(args.max_epochs if args.online else 1):
             order = torch.randperm(len(pairs)).tolist() if epoch else list(range(len(pairs)))
             for update, count in zip(layout, counts):
@@ -559,51 +589,52 @@ def main():
                     idx = [order[i] for i in mb]
                     chosen, rejected, chosen_len, rejected_len, aux_loss = pair_logps(
                         actor, [pairs[i] for i in idx] or [filler], pad_id, args.packing_samples)  # [b] each
-                    ref_chosen, ref_rejected = (ref_logps[idx].to(chosen) if idx else
-                                                torch.zeros(1, 2).to(chosen)).unbind(-1)
-                    scale = (chosen_len, rejected_len) if per_token else (1, 1)
-                    loss, chosen_rewards, rejected_rewards = dpo_loss(
-                        chosen / scale[0], rejected / scale[1], ref_chosen / scale[0], ref_rejected / scale[1],
-                        args.beta, args.loss_type, args.label_smoothing)
-                    if args.nll_loss_coef:  # an SFT term: the chosen responses' per-token NLL, mean over pairs
-                        loss = loss + args.nll_loss_coef * (-chosen / chosen_len).mean()
-                    scaled = loss * (len(idx) * gas * world / count)  # 0 for a filler
-                    if args.aux_loss_coef and idx:  # a mixture of experts' router load-balancing loss
-                        scaled = scaled + args.aux_loss_coef * aux_loss
-                        if epoch == 0:
-                            stats.setdefault("aux_loss", []).append(aux_loss.item())
-                    actor.backward(scaled)
+                    ref_chosen, ref_rejected = (ref_logps[idx] if idx else torch.zeros(1, 2)).to(chosen).unbind(-1)
+                    loss, chosen_rewards, rejected_rewards = pairs_loss(chosen, rejected, ref_chosen, ref_rejected,
+                                                                        chosen_len, rejected_len, args)
+                    nll = (-chosen / chosen_len).mean()  # the chosen responses' per-token NLL, a mean over pairs
+                    total = loss + args.nll_loss_coef * nll if args.nll_loss_coef else loss
+                    total = total * (len(idx) * gas * world / count)  # 0 for a filler
+                    if args.aux_loss_coef:  # a mixture of experts' router loss, of every forward (a filler's too)
+                        total = total + args.aux_loss_coef * aux_loss
+                    actor.backward(total)
                     actor.step()
-                    if epoch == 0 and idx:  # per pair, before this step's first update when updates == 1
-                        beta_kl = args.beta * torch.stack([chosen - ref_chosen, rejected - ref_rejected], -1).detach()
-                        stats["objective/loss"] += [loss.item()] * len(idx)
-                        stats["logps/chosen"] += chosen.tolist()
-                        stats["logps/rejected"] += rejected.tolist()
-                        stats["rewards/chosen"] += chosen_rewards.tolist()
-                        stats["rewards/rejected"] += rejected_rewards.tolist()
-                        stats["rewards/margin"] += (chosen_rewards - rejected_rewards).tolist()
-                        stats["rewards/accuracy"] += (chosen_rewards > rejected_rewards).float().tolist()
-                        if args.online:  # open-instruct's objective: the score minus beta * KL, per response
-                            stats["_kl"] += (beta_kl / args.beta).flatten().tolist()
-                            stats["_rlhf_reward"] += (pair_scores[idx].to(beta_kl) - beta_kl).flatten().tolist()
+                    if epoch or not idx:
+                        continue
+                    # per pair, from the first pass: before any of this step's optimizer steps when updates == 1
+                    stats["objective/loss"] += [loss.item()] * len(idx)
+                    stats["logps/chosen"] += chosen.tolist()
+                    stats["logps/rejected"] += rejected.tolist()
+                    stats["rewards/chosen"] += chosen_rewards.tolist()
+                    stats["rewards/rejected"] += rejected_rewards.tolist()
+                    stats["rewards/margin"] += (chosen_rewards - rejected_rewards).tolist()
+                    stats["rewards/accuracy"] += (chosen_rewards > rejected_rewards).float().tolist()
+                    if args.nll_loss_coef:
+                        stats["nll_loss"] += [nll.item()] * len(idx)
+                    if args.aux_loss_coef:
+                        stats["aux_loss"].append(aux_loss.item())
+                    if args.online:  # open-instruct's objective per sampled response: the score minus beta * KL
+                        kl = torch.stack([chosen - ref_chosen, rejected - ref_rejected], -1).detach()  # [b, 2]
+                        stats["objective/kl"] += kl.flatten().tolist()
+                        stats["objective/rlhf_reward"] += (drawn["pair_scores"][idx].to(kl) -
+                                                           args.beta * kl).flatten().tolist()
         metrics["train_s"] = time.time() - t
 
         # 4. weight sync: the rollout engines sample with the updated policy from the next step on
-        metrics["sync_s"] = 0.0
-        if args.online and engine is not None:
-            t = time.time()
-            engine.sync(actor.module, args, version=step + 1)
-            metrics["sync_s"] = time.time() - t
+        if args.online:
+            metrics["sync_s"], t = 0.0, time.time()
+            if engine is not None:
+                engine.sync(actor.module, args, version=step + 1)
+                metrics["sync_s"] = time.time() - t
 
         # 5. log (means over all ranks), save, eval
         metrics["step_s"] = time.time() - step_start
-        logs = {**sampled["logs"], "objective/scores_margin": pair_scores[:, 0] - pair_scores[:, 1],
-                "pairs_tied": [float(len(ties))], "pairs_trained": [float(len(pairs))]} if args.online else {}
-        if args.online:  # per sampled response (chosen and rejected), as open-instruct reports them
-            stats.update({"objective/kl": stats.pop("_kl"), "objective/rlhf_reward": stats.pop("_rlhf_reward"),
+        logs = dict(drawn["logs"])
+        if args.online:  # open-instruct's set; the KL and what follows from it per sampled response trained on
+            stats.update({"objective/non_score_reward": [-args.beta * x for x in stats["objective/kl"]],
                           "objective/entropy": [-x for x in stats["logps/chosen"] + stats["logps/rejected"]]})
-            stats["objective/non_score_reward"] = [-args.beta * x for x in stats["objective/kl"]]
-        stats = {k: v for k, v in stats.items() if not k.startswith("_")}
+            logs.update({"objective/scores_margin": drawn["pair_scores"][:, 0] - drawn["pair_scores"][:, 1],
+                         "pairs_tied": [float(len(ties))], "pairs_trained": [float(len(pairs))]})
         out = common.all_reduce_means({**logs, **stats, **metrics})
         if args.online:  # totals over all ranks, per step
             out["pairs_tied"], out["pairs_trained"] = out["pairs_tied"] * world, out["pairs_trained"] * world
@@ -614,12 +645,14 @@ def main():
         if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
             common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": cursor[0]} if args.online else None)
         if has_eval and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
+            actor.module.eval()
             logger.log(step + 1, evaluate(), prefix="eval")
 
     done = max(total_steps - start_step, 1)
     results.update(train_time_s=time.time() - start, steps=total_steps,
                    **{f"{k[:-2]}_s_per_step": v / done for k, v in totals.items()})
     if has_eval:
+        actor.module.eval()
         metrics = evaluate()
         logger.log(total_steps, metrics, prefix="eval")
         results.update({f"eval_{k}": v for k, v in metrics.items()})

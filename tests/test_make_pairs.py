@@ -1,0 +1,62 @@
+"""make_pairs.py: preference pairs from a policy's own samples. The choice of best and worst within a prompt's
+samples; end to end on the toy policy, judged by the toy rule (every chosen answer is the sum, every rejected one is
+not, both are answers the policy gives) and by a reward model (each score is the stock classifier's on the text)."""
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+import make_pairs
+from conftest import ROOT, run_script
+
+
+def test_best_and_worst():
+    assert make_pairs.best_and_worst([0.0, 1.0, 0.5, 1.0], list("abcd"), [True] * 4) == (1, 0)  # first of equals
+    assert make_pairs.best_and_worst([1.0, 1.0], list("ab"), [True, True]) is None  # nothing to prefer
+    assert make_pairs.best_and_worst([0.0, 1.0], list("aa"), [True, True]) is None  # the same text
+    assert make_pairs.best_and_worst([0.0, 1.0, 2.0], list("abc"), [True, True, False]) == (1, 0)  # c did not stop
+    assert make_pairs.best_and_worst([0.0, 1.0], list("ab"), [False, True]) is None
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_rule_judged_pairs_are_right_against_wrong(policy, toy_world, tmp_path, engine):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(open(toy_world / "prompts_train.jsonl").readlines()[:64]))
+    out = tmp_path / "pairs.jsonl"
+    proc = run_script("make_pairs.py", "--pretrain", policy, "--dataset", prompts, "--label_key", "label",
+                      "--remote_rm_url", ROOT / "toy.py", "--n_samples_per_prompt", 8, "--generate_max_len", 6,
+                      "--prompt_max_len", 16, "--temperature", 1.2, "--save_path", out,
+                      *(["--vllm"] if engine == "vllm" else []))
+    pairs = [json.loads(line) for line in open(out)]
+    labels = {r["input"]: r["label"] for r in map(json.loads, open(prompts))}
+    assert 5 <= len(pairs) <= 64 and f"wrote {len(pairs)} pairs" in proc.stderr
+    for p in pairs:
+        a, b = p["input"][:2], p["input"][3:5]
+        assert p["chosen"].strip() == str(int(a) + int(b)) == labels[p["input"]]  # the judge's verdict, checked
+        assert p["rejected"].strip() != labels[p["input"]]
+        assert (p["chosen_score"], p["rejected_score"]) == (1.0, 0.0)
+
+
+@torch.no_grad()
+def test_reward_model_scores_are_the_stock_classifier_s(policy, toy_world, tmp_path):
+    rm_dir = tmp_path / "rm"
+    model = AutoModelForSequenceClassification.from_pretrained(toy_world / "model", num_labels=1)
+    torch.manual_seed(0)
+    torch.nn.init.normal_(model.score.weight, std=1.0)  # scores of order 1, distinct
+    model.save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(policy).save_pretrained(rm_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(open(toy_world / "prompts_train.jsonl").readlines()[:16]))
+    out = tmp_path / "pairs.jsonl"
+    run_script("make_pairs.py", "--pretrain", policy, "--dataset", prompts, "--reward_pretrain", rm_dir,
+               "--generate_max_len", 6, "--save_path", out)
+    pairs = [json.loads(line) for line in open(out)]
+    assert len(pairs) >= 8
+    tok = AutoTokenizer.from_pretrained(policy)
+    rm = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    for p in pairs:
+        assert p["chosen_score"] > p["rejected_score"]
+        for key in ("chosen", "rejected"):  # the text as rm.py trains on it: prompt + completion + EOS
+            ids = tok(p["input"] + p[key] + tok.eos_token, return_tensors="pt")["input_ids"]
+            assert rm(ids).logits[0, 0].item() == pytest.approx(p[f"{key}_score"], abs=1e-4)

@@ -373,8 +373,9 @@ def test_online_hf_zero2_with_a_reward_model_and_resume(policy, reward_model, ev
     assert max((resumed[k] - after[k]).abs().max().item() for k in after) < 1e-6
 
 
-@pytest.mark.parametrize("backend", ["--vllm", "--ray"])
-def test_online_vllm_with_a_reward_function(policy, eval_file, tmp_path, backend):
+def test_online_vllm_with_a_reward_function(policy, eval_file, tmp_path):
+    """(--ray hosts the same engine code in a Ray actor: tests/test_grpo_e2e.py and test_ppo_e2e.py run it.)"""
+    backend = "--vllm"
     proc = run_script("dpo.py", *ONLINE, "--pretrain", policy, "--remote_rm_url", ROOT / "toy.py", "--label_key",
                       "label", "--eval_dataset", eval_file, "--eval_reward_func", ROOT / "toy.py", backend,
                       "--save_path", tmp_path / "out", timeout=900)

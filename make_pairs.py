@@ -26,23 +26,15 @@ from transformers import AutoModelForSequenceClassification
 import common
 
 
-def left_pad(seqs, pad_id):
-    """1-D LongTensors -> [B, T] padded on the left (generation appends on the right), and its mask."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s):], mask[i, width - len(s):] = s, 1
-    return ids, mask
-
-
 @torch.no_grad()
 def generate_hf(model, prompts, args, tokenizer):
     """One sampled completion per prompt, in chunks of --micro_rollout_batch_size; a completion keeps its EOS, one
     that hit --generate_max_len has none."""
     eos, out = tokenizer.eos_token_id, []
     for i in range(0, len(prompts), args.micro_rollout_batch_size):
-        ids, mask = left_pad(prompts[i:i + args.micro_rollout_batch_size], tokenizer.pad_token_id)
+        batch = tokenizer.pad({"input_ids": [p.tolist() for p in prompts[i:i + args.micro_rollout_batch_size]]},
+                              padding_side="left", return_tensors="pt")  # generation appends on the right
+        ids, mask = batch["input_ids"], batch["attention_mask"]
         with common.sampling_as_asked(model):  # nothing from the checkpoint's generation_config.json
             seqs = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
                                   do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,

@@ -1,6 +1,6 @@
 """Preference pairs from a policy's own samples, the data InstructGPT's reward model learnt from: sample
 --n_samples_per_prompt completions of every prompt, score each with a judge, and write the best against the worst
-completion of each prompt as a pair. The judge stands in for a human labeller: a reward_func file or a /get_reward
+completion of each prompt as a pair (or, with --pairs all, every two that score differently, InstructGPT's K-choose-2). The judge stands in for a human labeller: a reward_func file or a /get_reward
 URL (--remote_rm_url; a file is your own code, run in this process), or a reward model (--reward_pretrain).
 
     python make_pairs.py --pretrain runs/sft_short --dataset toy_world/prompts_train.jsonl --label_key label \\
@@ -71,6 +71,18 @@ def best_and_worst(scores, texts, usable):
     return best, worst
 
 
+def all_pairs(scores, texts, usable):
+    """InstructGPT's K-choose-2: every two usable completions of a prompt that score differently, the better one
+    chosen. A text sampled twice counts once (at its first index); [] when nothing is to be preferred."""
+    first = {}
+    for i, text in enumerate(texts):
+        if usable[i]:
+            first.setdefault(text, i)
+    kept = list(first.values())
+    return [(i, j) if scores[i] > scores[j] else (j, i)
+            for a, i in enumerate(kept) for j in kept[a + 1:] if scores[i] != scores[j]]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a = p.add_argument
@@ -85,6 +97,8 @@ def main():
     a("--input_template", default=None, help='e.g. "User: {}\\nAssistant: "; ignored with the chat template')
     a("--prompt_max_len", type=int, default=1024, help="longer prompts are dropped")
     a("--n_samples_per_prompt", type=int, default=4, help="completions sampled per prompt (>= 2)")
+    a("--pairs", default="best_worst", choices=("best_worst", "all"),
+      help="per prompt: the best against the worst, or every two that score differently (InstructGPT)")
     a("--temperature", type=float, default=1.0)
     a("--top_p", type=float, default=1.0)
     a("--generate_max_len", type=int, default=1024, help="new tokens per completion")
@@ -157,17 +171,19 @@ def main():
     stopped = [len(r) > 0 and r[-1].item() == tokenizer.eos_token_id for r in responses]
     judge_s = time.time() - t
 
-    # 3. pairs: the best against the worst completion of each prompt
+    # 3. pairs: the best against the worst completion of each prompt, or (--pairs all) every two that differ
     pairs, ties = [], 0
     for k, record in enumerate(records):
         group = slice(k * n, (k + 1) * n)
-        picked = best_and_worst(scores[group], completions[group], stopped[group])
-        if picked is None:
-            ties += 1
-            continue
-        best, worst = (k * n + i for i in picked)
-        pairs.append({"input": record[args.input_key], "chosen": completions[best], "rejected": completions[worst],
-                      "chosen_score": scores[best], "rejected_score": scores[worst]})
+        if args.pairs == "all":
+            picked = all_pairs(scores[group], completions[group], stopped[group])
+        else:
+            picked = [p for p in [best_and_worst(scores[group], completions[group], stopped[group])] if p]
+        ties += not picked
+        for best, worst in ((k * n + i, k * n + j) for i, j in picked):
+            pairs.append({"input": record[args.input_key], "chosen": completions[best],
+                          "rejected": completions[worst], "chosen_score": scores[best],
+                          "rejected_score": scores[worst]})
     path = Path(args.save_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

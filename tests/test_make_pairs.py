@@ -19,18 +19,31 @@ def test_best_and_worst():
     assert make_pairs.best_and_worst([0.0, 1.0], list("ab"), [False, True]) is None
 
 
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_rule_judged_pairs_are_right_against_wrong(policy, toy_world, tmp_path, engine):
+def test_all_pairs():
+    scores, texts = [1.0, 0.0, 0.0, 1.0, 0.5, 0.0], ["a", "b", "c", "a", "d", "b"]
+    assert make_pairs.all_pairs(scores, texts, [True] * 6) == [(0, 1), (0, 2), (0, 4), (4, 1), (4, 2)]  # a, d > b, c
+    assert make_pairs.all_pairs(scores, texts, [False] + [True] * 5) == [(3, 1), (4, 1), (3, 2), (4, 2), (3, 4)]
+    assert make_pairs.all_pairs([1.0, 1.0, 0.0], ["a", "b", "c"], [True, True, False]) == []  # equal scores
+    assert make_pairs.all_pairs([1.0, 0.0], ["a", "a"], [True, True]) == []  # one text
+
+
+@pytest.mark.parametrize("engine,every", [("hf", False), ("vllm", False), ("hf", True)])
+def test_rule_judged_pairs_are_right_against_wrong(policy, toy_world, tmp_path, engine, every):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(open(toy_world / "prompts_train.jsonl").readlines()[:64]))
     out = tmp_path / "pairs.jsonl"
     proc = run_script("make_pairs.py", "--pretrain", policy, "--dataset", prompts, "--label_key", "label",
                       "--remote_rm_url", ROOT / "toy.py", "--n_samples_per_prompt", 8, "--generate_max_len", 6,
                       "--prompt_max_len", 16, "--temperature", 1.2, "--save_path", out,
-                      *(["--vllm"] if engine == "vllm" else []))
+                      *(["--vllm"] if engine == "vllm" else []), *(["--pairs", "all"] if every else []))
     pairs = [json.loads(line) for line in open(out)]
     labels = {r["input"]: r["label"] for r in map(json.loads, open(prompts))}
-    assert 5 <= len(pairs) <= 64 and f"wrote {len(pairs)} pairs" in proc.stderr
+    assert 5 <= len(pairs) <= (64 * 7 if every else 64) and f"wrote {len(pairs)} pairs" in proc.stderr
+    inputs = [p["input"] for p in pairs]
+    if every:  # the right sum against each distinct wrong answer: more pairs than prompts, none twice
+        assert len(set(inputs)) < len(pairs) and len({(p["input"], p["rejected"]) for p in pairs}) == len(pairs)
+    else:
+        assert len(set(inputs)) == len(pairs)
     for p in pairs:
         a, b = p["input"][:2], p["input"][3:5]
         assert p["chosen"].strip() == str(int(a) + int(b)) == labels[p["input"]]  # the judge's verdict, checked

@@ -4,18 +4,24 @@
 
 Stages run as plain commands (shown as they start), each from the previous stage's output:
     python sft.py                       -> runs/sft         held-out exact match of greedy answers
-    python rm.py --pretrain runs/sft    -> runs/rm          held-out pair accuracy (chosen scored higher)
+    python rm.py --pretrain runs/sft    -> runs/rm          held-out pair accuracy (chosen scored higher) on
+                                                            the toy's synthetic pairs (wrong by 1, 2, 10, reversed)
     python sft.py --dataset toy_world/steps_train.jsonl ... -> runs/sft_steps   a policy that writes
                                                             running sums step by step (exact match)
     python prm.py --pretrain runs/sft_steps -> runs/prm     held-out step accuracy of the judge
-    python sft.py --max_epochs 4 ...    -> runs/sft_short   a weaker addition policy (33-51%) for RL to improve
+    python sft.py --max_epochs 4 ...    -> runs/sft_short   a weaker addition policy (36-80% over seeds) for RL to improve
+    python make_pairs.py --pretrain runs/sft_short --remote_rm_url toy.py ... -> runs/pairs_{train,test}.jsonl
+                                                            preferences on the policy's own samples: 8 answers a
+                                                            prompt, the toy rule judging (the stand-in labeller),
+                                                            every right answer against each distinct wrong one
+    python rm.py --pretrain runs/sft --dataset runs/pairs_train.jsonl ... -> runs/rm_policy
+                                                            the RM that PPO and online DPO learn from
     python grpo.py --pretrain runs/sft_short [--vllm] -> runs/grpo, runs/grpo_vllm
                                                             held-out accuracy before -> after, s/step
-    python dpo.py --pretrain runs/sft_short [--online --reward_pretrain runs/rm] -> runs/dpo, runs/dpo_online
-                                                            offline on the toy pairs; online on the policy's own
-                                                            samples ranked by the RM: held-out exact match, or
-                                                            greedy accuracy, before -> after
-    python ppo.py --pretrain runs/sft_short --reward_pretrain runs/rm --normalize_reward [--vllm | --ray]
+    python dpo.py --pretrain runs/sft_short --dataset runs/pairs_train.jsonl ... -> runs/dpo
+    python dpo.py --pretrain runs/sft_short --online --reward_pretrain runs/rm_policy -> runs/dpo_online
+                                                            held-out exact match, or greedy accuracy, before -> after
+    python ppo.py --pretrain runs/sft_short --reward_pretrain runs/rm_policy --normalize_reward ... [--vllm | --ray]
                                         -> runs/ppo, runs/ppo_vllm, runs/ppo_ray (the same, per backend)
 """
 
@@ -37,8 +43,26 @@ def stages(world):
              "--learning_rate", "1e-3", "--lr_warmup_ratio", "0.1", "--train_batch_size", "64",
              "--micro_train_batch_size", "64", "--max_len", "64", "--max_epochs", "4", "--eval_generate_samples", "500",
              "--generate_max_len", "48"]
-    # PPO trains on the RM's judgement; the toy rule (toy.reward_func) only measures held-out accuracy
-    ppo = ["--pretrain", "runs/sft_short", "--reward_pretrain", "runs/rm", "--normalize_reward"]
+    # InstructGPT's recipe: the preferences come from the policy RL will improve. SFT short samples 8 answers to
+    # every prompt, the toy rule judges them (the stand-in for a human labeller), and every two distinct answers it
+    # ranks differently are a pair (best against worst alone leaves an RM that PPO exploits: see README). An RM
+    # learns those pairs (rm.py's toy defaults are for the synthetic pairs, so the settings are spelled out); PPO
+    # and online DPO learn from that RM, offline DPO from the pairs themselves.
+    sample = ["make_pairs.py", "--pretrain", "runs/sft_short", "--remote_rm_url", os.path.relpath(toy.__file__),
+              "--label_key", "label", "--n_samples_per_prompt", "8", "--pairs", "all", "--prompt_max_len", "16",
+              "--generate_max_len", "8"]
+    pairs = ["--dataset", "runs/pairs_train.jsonl", "--eval_dataset", "runs/pairs_test.jsonl", "--max_len", "32",
+             "--train_batch_size", "64"]
+    rm_policy = ["rm.py", "--pretrain", "runs/sft", *pairs, "--micro_train_batch_size", "32", "--learning_rate", "3e-4",
+                 "--lr_warmup_ratio", "0.1", "--max_epochs", "4", "--save_path", "runs/rm_policy"]
+    # its eval pairs are the toy's held-out ones: exact match against their chosen answers covers all 500 test sums
+    dpo = ["dpo.py", "--pretrain", "runs/sft_short", *pairs[:2], "--eval_dataset", f"{world}/pref_test.jsonl",
+           *pairs[4:], "--micro_train_batch_size", "64", "--learning_rate", "1e-4",
+           "--lr_warmup_ratio", "0.05", "--beta", "0.5", "--eval_generate_samples", "500", "--generate_max_len", "5",
+           "--save_path", "runs/dpo"]
+    # 4 samples a prompt at twice the toy default's actor lr: with a judge it cannot exploit, PPO can push harder
+    ppo = ["--pretrain", "runs/sft_short", "--reward_pretrain", "runs/rm_policy", "--normalize_reward",
+           "--n_samples_per_prompt", "4", "--actor_learning_rate", "2e-5"]
     return [
         ("SFT", ["sft.py", "--save_path", "runs/sft"], "runs/sft", "eval_exact_match", "held-out exact match"),
         ("RM", ["rm.py", "--pretrain", "runs/sft", "--save_path", "runs/rm"], "runs/rm", "eval_acc",
@@ -50,13 +74,17 @@ def stages(world):
         # RL needs room to improve: the same SFT stopped after 4 of its 10 epochs
         ("SFT short", ["sft.py", "--max_epochs", "4", "--save_path", "runs/sft_short"], "runs/sft_short",
          "eval_exact_match", "held-out exact match"),
+        ("Pairs", [*sample, "--dataset", f"{world}/prompts_train.jsonl", "--save_path", "runs/pairs_train.jsonl"],
+         "runs/pairs_train.jsonl", None, "pairs from the policy's samples"),
+        ("Pairs held out", [*sample, "--dataset", f"{world}/prompts_test.jsonl", "--save_path", "runs/pairs_test.jsonl"],
+         "runs/pairs_test.jsonl", None, "pairs from the policy's samples"),
+        ("RM policy", rm_policy, "runs/rm_policy", "eval_acc", "held-out pair accuracy (policy's pairs)"),
         ("GRPO", ["grpo.py", "--pretrain", "runs/sft_short", "--save_path", "runs/grpo"], "runs/grpo",
          "eval_accuracy", "held-out greedy accuracy"),
         ("GRPO vLLM", ["grpo.py", "--pretrain", "runs/sft_short", "--vllm", "--save_path", "runs/grpo_vllm"],
          "runs/grpo_vllm", "eval_accuracy", "held-out greedy accuracy"),
-        ("DPO", ["dpo.py", "--pretrain", "runs/sft_short", "--save_path", "runs/dpo"], "runs/dpo", "eval_exact_match",
-         "held-out exact match"),
-        ("DPO online", ["dpo.py", "--pretrain", "runs/sft_short", "--online", "--reward_pretrain", "runs/rm",
+        ("DPO", dpo, "runs/dpo", "eval_exact_match", "held-out exact match"),
+        ("DPO online", ["dpo.py", "--pretrain", "runs/sft_short", "--online", "--reward_pretrain", "runs/rm_policy",
                         "--save_path", "runs/dpo_online"], "runs/dpo_online", "eval_accuracy", "held-out greedy accuracy"),
         ("PPO", ["ppo.py", *ppo, "--save_path", "runs/ppo"], "runs/ppo", "eval_accuracy", "held-out greedy accuracy"),
         ("PPO vLLM", ["ppo.py", *ppo, "--vllm", "--save_path", "runs/ppo_vllm"], "runs/ppo_vllm", "eval_accuracy",
@@ -88,6 +116,9 @@ def main():
         t = time.time()
         subprocess.run([sys.executable, str(root / cmd[0]), *cmd[1:]], check=True)
         wall = time.time() - t
+        if key is None:  # a file of pairs: how many
+            rows.append((name, what, f"{len(Path(out).read_text().splitlines()):,}", f"{wall:.1f}", "", out))
+            continue
         results = json.loads((Path(out) / "eval_results.json").read_text())
         rows.append((name, what, shown(results, key), f"{wall:.1f}", f"{results['peak_rss_mb']:.0f}", out))
     table = Table(title="Toy world: two-digit addition and running sums, 2 CPU cores")

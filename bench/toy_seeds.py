@@ -1,17 +1,19 @@
 """The toy RLHF stages over seeds: what each lifts held-out accuracy by, as a mean and a range, not one run.
 
-    .venv/bin/python bench/toy_seeds.py [--seeds 0 1 2] [--stages grpo ppo dpo dpo_online] [--rm runs/rm]
+    .venv/bin/python bench/toy_seeds.py [--seeds 0 1 2] [--stages sft_short grpo ppo dpo dpo_online prm]
 
-For every seed: sft.py --max_epochs 4 (the demo's SFT short, stopped early so RL has room) with that seed, then
-each stage from it with the same seed and the toy defaults, as demo.py runs them. The figure is held-out greedy
-exact match on the 500 test sums: the start is each stage's own eval before training (the SFT short's, up to greedy
-near-ties decided differently in another batch layout), the end the stage's. The reward model of PPO and online DPO is --rm (demo's runs/rm by default; this script trains it with
-rm.py first if it is missing). Outputs go to runs/seeds/<seed>/; a table of start, end and lift (mean, and min to
-max over the seeds) and seconds per stage is printed at the end.
+Every stage runs demo.py's own command with --seed s and its output under runs/seeds/<s>/. The RL stages all start
+from the same policy, demo.py's runs/sft_short, and learn from the same inputs (runs/pairs_*.jsonl, runs/rm_policy);
+whichever of demo.py's runs are missing are made first, with demo.py's commands. So a stage's spread is its own, and
+the start's own spread over seeds is the sft_short row (SFT short trained with each seed), as prm's is the PRM's
+(from demo.py's runs/sft_steps). The figure is held-out greedy exact match on the 500 test sums (the PRM's: held-out
+step accuracy); an RL stage's start is its own eval before training. A table of start, end and lift (mean, and min
+to max over the seeds) and seconds per run is printed at the end.
 """
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -19,12 +21,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = {  # name -> (flags after --pretrain <sft_short>, the eval key of held-out exact match)
-    "grpo": (["grpo.py"], "eval_accuracy"),
-    "ppo": (["ppo.py", "--reward_pretrain", "{rm}", "--normalize_reward"], "eval_accuracy"),
-    "dpo": (["dpo.py"], "eval_exact_match"),
-    "dpo_online": (["dpo.py", "--online", "--reward_pretrain", "{rm}"], "eval_accuracy"),
-}
+sys.path.insert(0, str(ROOT))
+import demo  # noqa: E402
+import toy  # noqa: E402
+
+STAGES = {"sft_short": "SFT short", "grpo": "GRPO", "ppo": "PPO", "dpo": "DPO", "dpo_online": "DPO online",
+          "prm": "PRM"}  # --stages name -> demo.py's stage
+INPUTS = ["SFT", "SFT short", "Pairs", "Pairs held out", "RM policy", "SFT steps"]  # demo.py's runs they start from
 
 
 def run(cmd):
@@ -35,46 +38,42 @@ def run(cmd):
     return time.time() - t
 
 
-def results(path):
-    return json.loads((Path(path) / "eval_results.json").read_text())
-
-
-def spread(values):
-    return f"{100 * statistics.mean(values):.1f} ({100 * min(values):.1f}-{100 * max(values):.1f})"
+def spread(values, sign=""):
+    return f"{100 * statistics.mean(values):{sign}.1f} ({100 * min(values):{sign}.1f} to {100 * max(values):{sign}.1f})"
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
-    p.add_argument("--rm", default="runs/rm", help="the reward model of ppo and dpo_online")
     args = p.parse_args()
-    if not (ROOT / args.rm / "config.json").exists():
-        print(f"training {args.rm} (sft.py, then rm.py)", flush=True)
-        run(["sft.py", "--save_path", "runs/sft"])
-        run(["rm.py", "--pretrain", "runs/sft", "--save_path", args.rm])
-    figures = {name: [] for name in ["sft_short", *args.stages]}  # (start, end, seconds) per seed
+    os.chdir(ROOT)  # demo.py's commands name their inputs and outputs relative to the repository
+    world = os.path.relpath(toy.ensure_toy_world())
+    stages = {name: (cmd, out, key) for name, cmd, out, key, _ in demo.stages(world)}
+    for name in INPUTS:
+        cmd, out, _ = stages[name]
+        if not Path(out, "config.json").exists() and not Path(out).is_file():
+            print(f"making {out} as demo.py does: python {' '.join(cmd)}", flush=True)
+            run(cmd)
+    figures = {name: [] for name in args.stages}  # (start or None, end, seconds) per seed
     for seed in args.seeds:
-        out = ROOT / "runs" / "seeds" / str(seed)
-        short = out / "sft_short"
-        wall = run(["sft.py", "--max_epochs", 4, "--seed", seed, "--save_path", short])
-        start = results(short)["eval_exact_match"]
-        figures["sft_short"].append((start, start, wall))
         for name in args.stages:
-            cmd, key = STAGES[name]
-            cmd = [c.format(rm=args.rm) for c in cmd]
-            wall = run([*cmd, "--pretrain", short, "--seed", seed, "--save_path", out / name])
-            res = results(out / name)  # its own eval before training: the SFT short's, but for greedy near-ties
-            figures[name].append((res[f"{key}_before"], res[key], wall))
-            print(f"seed {seed} {name}: {100 * res[f'{key}_before']:.1f}% -> {100 * res[key]:.1f}% in {wall:.0f} s",
-                  flush=True)
-    print(f"\n{len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}), held-out exact match %: mean (min-max)")
+            cmd, _, key = stages[STAGES[name]]
+            out = Path("runs", "seeds", str(seed), name)
+            cmd = [*cmd[:cmd.index("--save_path")], *cmd[cmd.index("--save_path") + 2:], "--save_path", out,
+                   "--seed", seed]
+            wall = run(cmd)
+            res = json.loads((out / "eval_results.json").read_text())
+            figures[name].append((res.get(f"{key}_before"), res[key], wall))
+            start = f"{100 * res[f'{key}_before']:.1f}% -> " if f"{key}_before" in res else ""
+            print(f"seed {seed} {name}: {start}{100 * res[key]:.1f}% in {wall:.0f} s", flush=True)
+    print(f"\n{len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}), held-out accuracy %: mean (min to max)")
     print("| stage | start | end | lift | s per run |\n|---|---|---|---|---|")
     for name, rows in figures.items():
         starts, ends, walls = zip(*rows)
-        lifts = [e - s for s, e, _ in rows]
-        print(f"| {name} | {spread(starts)} | {spread(ends)} | {spread(lifts) if name != 'sft_short' else '-'} | "
-              f"{statistics.mean(walls):.0f} |")
+        lifts = [e - s for s, e, _ in rows] if None not in starts else None
+        print(f"| {name} | {spread(starts) if lifts else '-'} | {spread(ends)} | "
+              f"{spread(lifts, '+') if lifts else '-'} | {statistics.mean(walls):.0f} |")
 
 
 if __name__ == "__main__":

@@ -60,9 +60,10 @@ def stages(world):
            *pairs[4:], "--micro_train_batch_size", "64", "--learning_rate", "1e-4",
            "--lr_warmup_ratio", "0.05", "--beta", "0.5", "--eval_generate_samples", "500", "--generate_max_len", "5",
            "--save_path", "runs/dpo"]
-    # 4 samples a prompt at twice the toy default's actor lr: with a judge it cannot exploit, PPO can push harder
+    # 8 samples a prompt (GRPO's number; 8 optimizer steps a rollout): with a judge it cannot exploit, PPO can push
+    # harder than the toy defaults (one sample) do
     ppo = ["--pretrain", "runs/sft_short", "--reward_pretrain", "runs/rm_policy", "--normalize_reward",
-           "--n_samples_per_prompt", "4", "--actor_learning_rate", "2e-5"]
+           "--n_samples_per_prompt", "8"]
     return [
         ("SFT", ["sft.py", "--save_path", "runs/sft"], "runs/sft", "eval_exact_match", "held-out exact match"),
         ("RM", ["rm.py", "--pretrain", "runs/sft", "--save_path", "runs/rm"], "runs/rm", "eval_acc",

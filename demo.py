@@ -9,7 +9,7 @@ Stages run as plain commands (shown as they start), each from the previous stage
     python sft.py --dataset toy_world/steps_train.jsonl ... -> runs/sft_steps   a policy that writes
                                                             running sums step by step (exact match)
     python prm.py --pretrain runs/sft_steps -> runs/prm     held-out step accuracy of the judge
-    python sft.py --max_epochs 4 ...    -> runs/sft_short   a weaker addition policy (36-80% over seeds) for RL to improve
+    python sft.py --max_epochs 4 ...    -> runs/sft_short   a weaker addition policy (36-80% by seed) for RL to improve
     python make_pairs.py --pretrain runs/sft_short --remote_rm_url toy.py ... -> runs/pairs_{train,test}.jsonl
                                                             preferences on the policy's own samples: 8 answers a
                                                             prompt, the toy rule judging (the stand-in labeller),
@@ -51,15 +51,14 @@ def stages(world):
     sample = ["make_pairs.py", "--pretrain", "runs/sft_short", "--remote_rm_url", os.path.relpath(toy.__file__),
               "--label_key", "label", "--n_samples_per_prompt", "8", "--pairs", "all", "--prompt_max_len", "16",
               "--generate_max_len", "8"]
-    pairs = ["--dataset", "runs/pairs_train.jsonl", "--eval_dataset", "runs/pairs_test.jsonl", "--max_len", "32",
-             "--train_batch_size", "64"]
-    rm_policy = ["rm.py", "--pretrain", "runs/sft", *pairs, "--micro_train_batch_size", "32", "--learning_rate", "3e-4",
-                 "--lr_warmup_ratio", "0.1", "--max_epochs", "4", "--save_path", "runs/rm_policy"]
+    pairs = ["--dataset", "runs/pairs_train.jsonl", "--max_len", "32", "--train_batch_size", "64"]
+    rm_policy = ["rm.py", "--pretrain", "runs/sft", *pairs, "--eval_dataset", "runs/pairs_test.jsonl",
+                 "--micro_train_batch_size", "32", "--learning_rate", "3e-4", "--lr_warmup_ratio", "0.1",
+                 "--max_epochs", "4", "--save_path", "runs/rm_policy"]
     # its eval pairs are the toy's held-out ones: exact match against their chosen answers covers all 500 test sums
-    dpo = ["dpo.py", "--pretrain", "runs/sft_short", *pairs[:2], "--eval_dataset", f"{world}/pref_test.jsonl",
-           *pairs[4:], "--micro_train_batch_size", "64", "--learning_rate", "1e-4",
-           "--lr_warmup_ratio", "0.05", "--beta", "0.5", "--eval_generate_samples", "500", "--generate_max_len", "5",
-           "--save_path", "runs/dpo"]
+    dpo = ["dpo.py", "--pretrain", "runs/sft_short", *pairs, "--eval_dataset", f"{world}/pref_test.jsonl",
+           "--micro_train_batch_size", "64", "--learning_rate", "1e-4", "--lr_warmup_ratio", "0.05", "--beta", "0.5",
+           "--eval_generate_samples", "500", "--generate_max_len", "5", "--save_path", "runs/dpo"]
     # 8 samples a prompt (GRPO's number; 8 optimizer steps a rollout): with a judge it cannot exploit, PPO can push
     # harder than the toy defaults (one sample) do
     ppo = ["--pretrain", "runs/sft_short", "--reward_pretrain", "runs/rm_policy", "--normalize_reward",
@@ -77,7 +76,8 @@ def stages(world):
          "eval_exact_match", "held-out exact match"),
         ("Pairs", [*sample, "--dataset", f"{world}/prompts_train.jsonl", "--save_path", "runs/pairs_train.jsonl"],
          "runs/pairs_train.jsonl", None, "pairs from the policy's samples"),
-        ("Pairs held out", [*sample, "--dataset", f"{world}/prompts_test.jsonl", "--save_path", "runs/pairs_test.jsonl"],
+        ("Pairs held out",
+         [*sample, "--dataset", f"{world}/prompts_test.jsonl", "--save_path", "runs/pairs_test.jsonl"],
          "runs/pairs_test.jsonl", None, "pairs from the policy's samples"),
         ("RM policy", rm_policy, "runs/rm_policy", "eval_acc", "held-out pair accuracy (policy's pairs)"),
         ("GRPO", ["grpo.py", "--pretrain", "runs/sft_short", "--save_path", "runs/grpo"], "runs/grpo",

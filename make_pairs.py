@@ -1,7 +1,8 @@
 """Preference pairs from a policy's own samples, the data InstructGPT's reward model learnt from: sample
 --n_samples_per_prompt completions of every prompt, score each with a judge, and write the best against the worst
-completion of each prompt as a pair (or, with --pairs all, every two that score differently, InstructGPT's K-choose-2). The judge stands in for a human labeller: a reward_func file or a /get_reward
-URL (--remote_rm_url; a file is your own code, run in this process), or a reward model (--reward_pretrain).
+completion of each prompt as a pair (or, with --pairs all, every two that score differently: InstructGPT's
+K-choose-2). The judge stands in for a human labeller: a reward_func file or a /get_reward URL (--remote_rm_url; a
+file is your own code, run in this process), or a reward model (--reward_pretrain).
 
     python make_pairs.py --pretrain runs/sft_short --dataset toy_world/prompts_train.jsonl --label_key label \\
         --remote_rm_url toy.py --save_path runs/pairs_train.jsonl      # the toy rule judges the policy's answers
@@ -178,7 +179,8 @@ def main():
         if args.pairs == "all":
             picked = all_pairs(scores[group], completions[group], stopped[group])
         else:
-            picked = [p for p in [best_and_worst(scores[group], completions[group], stopped[group])] if p]
+            best_worst = best_and_worst(scores[group], completions[group], stopped[group])
+            picked = [best_worst] if best_worst else []
         ties += not picked
         for best, worst in ((k * n + i, k * n + j) for i, j in picked):
             pairs.append({"input": record[args.input_key], "chosen": completions[best],

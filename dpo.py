@@ -100,10 +100,8 @@ def adapters_off(model):
 def micro_batches(n, updates, gas):
     """Indices 0..n-1 in `updates` optimizer steps of `gas` near-equal micro-batches each, some possibly empty: every
     rank runs the same number of forwards (ZeRO-3 runs each on all ranks together) whatever number of pairs it has
-    (online, ties are dropped)."""
+    (online_dpo.py drops ties)."""
     return [[c.tolist() for c in piece.tensor_split(gas)] for piece in torch.arange(n).tensor_split(updates)]
-
-
 
 
 @torch.no_grad()
@@ -285,8 +283,6 @@ def evaluate_pairs(model, reference, pairs, answers, tokenizer, args):
     return common.all_reduce_means(stats)
 
 
-
-
 # ---------------------------------------------------------------------------------------------- main
 def add_dpo_args(parser):
     """The objective's and the reference's flags, dpo.py's and online_dpo.py's."""
@@ -377,9 +373,7 @@ def main():
     logger, results = common.Logger(args, total_steps, start_step), {}
     totals = dict(ref_s=0.0, train_s=0.0, step_s=0.0)
     if eval_pairs:
-        before = evaluate()
-        logger.log(start_step, before, prefix="eval")
-        results.update({f"eval_{k}_before": v for k, v in before.items()})
+        common.log_eval(logger, start_step, evaluate(), results, "_before")
     for step in range(start_step, total_steps):
         step_start = time.time()
         # 1. pairs: this rank's share of the next --train_batch_size, in the micro-batches of one optimizer step
@@ -409,15 +403,11 @@ def main():
         if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
             common.save_checkpoint(actor, args, step + 1)
         if eval_pairs and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
-            logger.log(step + 1, evaluate(), prefix="eval")
+            common.log_eval(logger, step + 1, evaluate())
 
-    done = max(total_steps - start_step, 1)
-    results.update(train_time_s=time.time() - start, steps=total_steps,
-                   **{f"{k[:-2]}_s_per_step": v / done for k, v in totals.items()})
+    results.update(common.run_times(start, total_steps, totals, total_steps - start_step))
     if eval_pairs:
-        metrics = evaluate()
-        logger.log(total_steps, metrics, prefix="eval")
-        results.update({f"eval_{k}": v for k, v in metrics.items()})
+        common.log_eval(logger, total_steps, evaluate(), results)
     common.finish(actor, tokenizer, args, results, logger)
 
 

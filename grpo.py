@@ -168,6 +168,16 @@ def aggregate_loss(loss, action_mask, loss_agg_mode="token-mean", generate_max_l
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}: use one of {', '.join(LOSS_AGG_MODES)}")
 
 
+def loss_family(args):
+    """policy_loss's keywords from the flags: the aggregation, the loss type and ratio level, the KL loss, the
+    rollout correction."""
+    return dict(loss_agg_mode=args.loss_agg_mode, generate_max_len=args.generate_max_len,
+                importance_sampling_level=args.importance_sampling_level, policy_loss_type=args.policy_loss_type,
+                delta=args.delta, tau_pos=args.tau_pos, tau_neg=args.tau_neg, kl_coef=args.init_kl_coef,
+                kl_ratio_weighted=args.kl_ratio_weighted, rollout_correction=args.rollout_correction,
+                rollout_correction_bounds=args.rollout_correction_bounds)
+
+
 # ------------------------------------------------------------------------------------------- rollout
 def score(records, responses, reward_fn, tokenizer, args):
     """Rewards, scores and extra logs ([N] each), with the length penalties on the rewards."""
@@ -326,19 +336,11 @@ def main():
     logger, results = common.Logger(args, total_steps, start_step), {}
     totals = dict(generate_s=0.0, wait_s=0.0, train_s=0.0, step_s=0.0)
     if eval_prompts:
-        before = evaluate()
-        logger.log(start_step, before, prefix="eval")
-        results.update({f"eval_{k}_before": v for k, v in before.items()})
+        common.log_eval(logger, start_step, evaluate(), results, "_before")
     # One optimizer step per rollout and no reference model: the policy being updated is the one that sampled
     # (a vLLM engine's numbers differ slightly: the rollout correction's business), so the old log-probs are
     # the update's own, detached, and their separate forward pass is skipped.
     on_policy = updates == 1 and ref is None
-    loss_options = dict(  # the policy-loss family's flags
-        loss_agg_mode=args.loss_agg_mode, generate_max_len=args.generate_max_len,
-        importance_sampling_level=args.importance_sampling_level, policy_loss_type=args.policy_loss_type,
-        delta=args.delta, tau_pos=args.tau_pos, tau_neg=args.tau_neg, kl_coef=args.init_kl_coef,
-        kl_ratio_weighted=args.kl_ratio_weighted, rollout_correction=args.rollout_correction,
-        rollout_correction_bounds=args.rollout_correction_bounds)
     for step in range(start_step, total_steps):
         step_start = time.time()
         # 1. rollout: sample groups, score them; the log-probs the update starts from (no gradients)
@@ -378,7 +380,7 @@ def main():
                 ref_lp = ref_logprobs[mb, :T].to(device) if args.use_kl_loss and ref is not None else None
                 loss = policy_loss(logprobs, old, advantages[mb, :T].to(device), mask, args.eps_clip_low,
                                    args.eps_clip_high, args.dual_clip, ref_logprobs=ref_lp, rollout_logprobs=engine_lp,
-                                   **loss_options)
+                                   **loss_family(args))
                 if args.entropy_loss_coef:
                     loss = loss - args.entropy_loss_coef * common.masked_mean(entropy, mask)
                 if args.aux_loss_coef:  # a mixture of experts' router load-balancing loss
@@ -414,22 +416,18 @@ def main():
             **{k: torch.cat(v) if v and torch.is_tensor(v[0]) else v for k, v in stats.items()}},
             stds={"reward": rewards})
         if args.async_steps:
-            out["staleness_max"] = common.all_reduce_max([float(step - batch.version)])[0]
+            out["staleness_max"] = common.all_reduce_max(metrics["staleness"])[0]
         out["lr"] = actor.get_lr()[0]
         totals = {k: v + out[k] for k, v in totals.items()}
         logger.log(step + 1, out)
         if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
             common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": sampler.trained_cursor})
         if eval_prompts and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
-            logger.log(step + 1, evaluate(), prefix="eval")
+            common.log_eval(logger, step + 1, evaluate())
 
-    done = max(total_steps - start_step, 1)
-    results.update(train_time_s=time.time() - start, steps=total_steps,
-                   **{f"{k[:-2]}_s_per_step": v / done for k, v in totals.items()})
+    results.update(common.run_times(start, total_steps, totals, total_steps - start_step))
     if eval_prompts:
-        metrics = evaluate()
-        logger.log(total_steps, metrics, prefix="eval")
-        results.update({f"eval_{k}": v for k, v in metrics.items()})
+        common.log_eval(logger, total_steps, evaluate(), results)
     common.finish(actor, tokenizer, args, results, logger)
 
 

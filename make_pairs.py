@@ -10,8 +10,8 @@ file is your own code, run in this process), or a reward model (--reward_pretrai
         --reward_pretrain ckpt/rm --n_samples_per_prompt 8 --vllm --save_path data/pairs.jsonl
 
 A prompt gives no pair when its best and worst scores are equal (nothing to prefer), and completions that did
-not stop within --generate_max_len are left out (a reward model reads its reward at an EOS they do not have); both
-are counted. The output, one JSON line per pair, is rm.py's and dpo.py's input: {"input": the prompt as --dataset
+not stop within --generate_max_len are left out (they never ended: a judge would score a cut answer); both are
+counted. The output, one JSON line per pair, is rm.py's and dpo.py's input: {"input": the prompt as --dataset
 has it, "chosen", "rejected": completions as text, without the stop token, "chosen_score", "rejected_score"}.
 """
 

@@ -95,23 +95,14 @@ def main():
     engine = rollout.start_engine(args, actor.module, tokenizer, start_step)
     sampler = rollout.Sampler(prompts, engine, args, state.get("prompt_cursor", 0), 2, total_steps - start_step)
 
-    def evaluate():  # one greedy completion of each eval prompt: the reward's mean, --eval_reward_func's (toy: accuracy)
+    def evaluate():  # a greedy completion of each eval prompt: the reward's mean, --eval_reward_func's (toy: accuracy)
         actor.module.eval()
-        return rollout.evaluate(eval_prompts, engine, eval_metrics, args)
-
-    def eval_metrics(records, responses):
-        metrics = {"reward": reward_fn(records, responses)[0]}
-        if eval_fn:
-            rule_rewards, _, logs = rollout.client_rewards(eval_fn, records, responses, tokenizer)
-            metrics.update(rule_reward=rule_rewards, **logs)
-        return metrics
+        return rollout.evaluate(eval_prompts, engine, rollout.eval_rewards(reward_fn, eval_fn, tokenizer), args)
 
     logger, results = common.Logger(args, total_steps, start_step), {}
     totals = dict(generate_s=0.0, reward_s=0.0, ref_s=0.0, train_s=0.0, sync_s=0.0, step_s=0.0)
     if eval_prompts:
-        before = evaluate()
-        logger.log(start_step, before, prefix="eval")
-        results.update({f"eval_{k}_before": v for k, v in before.items()})
+        common.log_eval(logger, start_step, evaluate(), results, "_before")
     for step in range(start_step, total_steps):
         step_start = time.time()
         # 1. rollout: two samples of each of this rank's prompts from the current policy, scored; chosen = the higher,
@@ -162,15 +153,11 @@ def main():
         if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
             common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": sampler.trained_cursor})
         if eval_prompts and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
-            logger.log(step + 1, evaluate(), prefix="eval")
+            common.log_eval(logger, step + 1, evaluate())
 
-    done = max(total_steps - start_step, 1)
-    results.update(train_time_s=time.time() - start, steps=total_steps,
-                   **{f"{k[:-2]}_s_per_step": v / done for k, v in totals.items()})
+    results.update(common.run_times(start, total_steps, totals, total_steps - start_step))
     if eval_prompts:
-        metrics = evaluate()
-        logger.log(total_steps, metrics, prefix="eval")
-        results.update({f"eval_{k}": v for k, v in metrics.items()})
+        common.log_eval(logger, total_steps, evaluate(), results)
     common.finish(actor, tokenizer, args, results, logger)
 
 

@@ -217,21 +217,13 @@ def main():
 
     def evaluate():  # the training reward's mean, --eval_reward_func's mean and extra logs (toy: accuracy), pass@n
         actor.module.eval()
-        return rollout.evaluate(eval_prompts, engine, eval_metrics, args, "rule_reward" if eval_fn else "reward")
-
-    def eval_metrics(records, responses):
-        metrics = {"reward": reward_fn(records, responses)[0]}
-        if eval_fn:
-            rule_rewards, _, logs = rollout.client_rewards(eval_fn, records, responses, tokenizer)
-            metrics.update(rule_reward=rule_rewards, **logs)
-        return metrics
+        return rollout.evaluate(eval_prompts, engine, rollout.eval_rewards(reward_fn, eval_fn, tokenizer), args,
+                                pass_key="rule_reward" if eval_fn else "reward")
 
     logger, results = common.Logger(args, total_steps, start_step), {}
     totals = dict(generate_s=0.0, wait_s=0.0, forward_s=0.0, train_s=0.0, sync_s=0.0, step_s=0.0)
     if eval_prompts:
-        before = evaluate()
-        logger.log(start_step, before, prefix="eval")
-        results.update({f"eval_{k}_before": v for k, v in before.items()})
+        common.log_eval(logger, start_step, evaluate(), results, "_before")
     for step in range(start_step, total_steps):
         step_start = time.time()
         # 1. rollout: sample, score, and what the update starts from: log-probs, values, the reference's KL
@@ -316,9 +308,8 @@ def main():
 
         # 5. log (means over all ranks), adaptive KL, save, eval
         metrics["step_s"] = time.time() - step_start  # rollout (or waiting for it), update, sync
-        behind = float(actor_version(step) - (batch.version or 0))  # actor updates behind the weights that sampled
-        if args.async_steps:
-            metrics["staleness"] = [behind]
+        if args.async_steps:  # how many actor updates behind the weights that sampled this step's batch were
+            metrics["staleness"] = [float(actor_version(step) - batch.version)]
         lengths = action_mask.sum(-1).tolist()
         out = common.all_reduce_means(
             {"reward": scores, **extra_logs, "kl": [kl[i, :n].sum().item() for i, n in enumerate(lengths)],
@@ -328,7 +319,7 @@ def main():
         out.update(explained_var=1 - error_var / max(returns_var, 1e-8), kl_coef=kl_coef,
                    actor_lr=actor.get_lr()[0], critic_lr=critic.get_lr()[0])
         if args.async_steps:
-            out["staleness_max"] = common.all_reduce_max([behind])[0]
+            out["staleness_max"] = common.all_reduce_max(metrics["staleness"])[0]
         totals = {k: v + out[k] for k, v in totals.items()}
         logger.log(step + 1, out)
         if args.kl_target is not None:
@@ -338,15 +329,11 @@ def main():
             common.save_checkpoint(actor, args, step + 1, others={"critic": critic},
                                    extra={"prompt_cursor": sampler.trained_cursor, "kl_coef": kl_coef})
         if eval_prompts and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
-            logger.log(step + 1, evaluate(), prefix="eval")
+            common.log_eval(logger, step + 1, evaluate())
 
-    done = max(total_steps - start_step, 1)
-    results.update(train_time_s=time.time() - start, steps=total_steps,
-                   **{f"{k[:-2]}_s_per_step": v / done for k, v in totals.items()})
+    results.update(common.run_times(start, total_steps, totals, total_steps - start_step))
     if eval_prompts:
-        metrics = evaluate()
-        logger.log(total_steps, metrics, prefix="eval")
-        results.update({f"eval_{k}": v for k, v in metrics.items()})
+        common.log_eval(logger, total_steps, evaluate(), results)
     if args.save_value_network:
         common.save_hf_model(critic, tokenizer, args.save_path.rstrip("/") + "_critic", args)
     common.finish(actor, tokenizer, args, results, logger)

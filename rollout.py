@@ -62,8 +62,8 @@ def add_rollout_args(parser, policy_gradient=True):
     a("--remote_rm_retries", type=int, default=3, help="retries after a failed HTTP request (1 s, 2 s, 4 s...)")
     a("--non_stop_penalty", type=float, default=None, help="reward of a completion without EOS (default: as scored)")
     a("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: before and after training only)")
-    if not policy_gradient:  # one greedy completion of each eval prompt
-        parser.set_defaults(eval_n_samples_per_prompt=1, eval_temperature=0.0)
+    if not policy_gradient:  # in step, one greedy completion of each eval prompt
+        parser.set_defaults(async_steps=0, eval_n_samples_per_prompt=1, eval_temperature=0.0)
         return
     a("--n_samples_per_prompt", type=int, default=1, help="completions per prompt (a group)")
     a("--async_steps", type=int, default=0,
@@ -160,8 +160,8 @@ def load_prompt_sets(args, tokenizer, samples_per_prompt):
     of --rollout_batch_size prompts; a step's samples must split over the processes and into --train_batch_size."""
     world, samples = dist.get_world_size(), args.rollout_batch_size * samples_per_prompt
     if args.rollout_batch_size % world or samples % args.train_batch_size:
-        fail(f"--rollout_batch_size {args.rollout_batch_size} must split over {world} processes and its {samples} "
-             f"samples ({samples_per_prompt} a prompt) into --train_batch_size {args.train_batch_size}")
+        fail(f"--rollout_batch_size {args.rollout_batch_size} must split over {world} processes, and its "
+             f"{args.rollout_batch_size} x {samples_per_prompt} samples into --train_batch_size {args.train_batch_size}")
     prompts = load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples, args.dataset_probs)
     eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args) if args.eval_dataset else []
     if len(prompts) < args.rollout_batch_size:
@@ -221,7 +221,7 @@ def generate_hf(model, prompts, args, tokenizer, temperature):
     synced = args.zero_stage == 3 and dist.get_world_size() > 1  # ZeRO-3: every rank runs every forward
     for i in range(0, len(prompts), args.micro_rollout_batch_size):
         batch = tokenizer.pad({"input_ids": [p.tolist() for p in prompts[i:i + args.micro_rollout_batch_size]]},
-                              padding_side="left", return_tensors="pt")  # generation appends on the right
+                              padding_side="left", return_attention_mask=True, return_tensors="pt")  # appends right
         ids, mask = batch["input_ids"], batch["attention_mask"]
         cache = shared_prompt_cache(model, ids, mask, synced)  # a group's prompt is prefilled once
         sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=0) if temperature > 0 \
@@ -725,8 +725,6 @@ def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, r
     errors, timeouts, 5xx and 429 are retried `retries` times, waiting backoff, 2*backoff, ...; after the
     last one (or at once on any other 4xx) it stops with an error naming the URL and the cause: a
     missing reward is never passed on as None or 0."""
-    import time
-
     import httpx
 
     outs = []
@@ -853,6 +851,18 @@ def engine_gap(engine_logprobs, old_logprobs, action_mask, args):
 
 
 # ---------------------------------------------------------------------------------------------- eval
+def eval_rewards(reward_fn, eval_fn, tokenizer):
+    """evaluate's per_sample for a trained reward: its mean, and with eval_fn (--eval_reward_func: a rule, e.g. the
+    toy task's correctness) that reward as rule_reward with its extra logs (the toy's accuracy)."""
+    def per_sample(records, responses):
+        metrics = {"reward": reward_fn(records, responses)[0]}
+        if eval_fn:
+            rule_rewards, _, logs = client_rewards(eval_fn, records, responses, tokenizer)
+            metrics.update(rule_reward=rule_rewards, **logs)
+        return metrics
+    return per_sample
+
+
 @torch.no_grad()
 def evaluate(eval_records, engine, per_sample, args, pass_key="reward"):
     """--eval_n_samples_per_prompt completions of each eval prompt at --eval_temperature (default: one, greedy),

@@ -129,7 +129,7 @@ def test_dpo_pairs_split_where_generation_starts(family_dirs, family):
             want = tok(rendered[:rendered.rindex(eos) + len(eos)], add_special_tokens=False)["input_ids"]
         else:
             want = tok.convert_tokens_to_ids(PLAIN_SAMPLE[family])
-        text = common.format_prompt("12+34=", tok, args)  # as common.load_prompts tokenizes an RL prompt
+        text = common.format_prompt("12+34=", tok, args)  # as rollout.load_prompts tokenizes an RL prompt
         assert prompt == tok(text, add_special_tokens=not chat)["input_ids"]
         assert prompt + chosen == want, tok.convert_ids_to_tokens(prompt + chosen)
         assert ends_in_one_eos(prompt + rejected, tok) and tok.decode(rejected[:-1]).strip() == "47"

@@ -100,6 +100,17 @@ def adaptive_kl_coef(kl_coef, kl, target, horizon, n_samples):
     return kl_coef * (1 + error * n_samples / horizon)
 
 
+# ------------------------------------------------------------------------------------------- rollout
+def score(records, responses, reward_fn, tokenizer, args):
+    """Each completion's score [N] (--non_stop_penalty for one cut at --generate_max_len, then clipped to
+    --reward_clip_range), the reward's extra logs, and which completions stopped [N]."""
+    scores, _, extra_logs = reward_fn(records, responses)
+    stopped = rollout.stopped(responses, tokenizer)
+    if args.non_stop_penalty is not None:
+        scores = torch.where(stopped, scores, torch.tensor(args.non_stop_penalty))
+    return scores.clamp(*args.reward_clip_range), extra_logs, stopped
+
+
 # --------------------------------------------------------------------------------------------- critic
 def critic_values(critic, batch, args, pad_id):
     """The value head, visible: the classifier's `score` layer applied at every position (not just the
@@ -233,11 +244,7 @@ def main():
         engine_logprobs = pad_sequence(batch.logprobs, batch_first=True).float() if batch.logprobs else None  # [N, R]
         metrics = {"generate_s": batch.generate_s, "wait_s": batch.wait_s}  # generating, waiting for it
         t = time.time()
-        scores, _, extra_logs = reward_fn(batch.records, batch.responses)  # [N]
-        stopped = rollout.stopped(batch.responses, tokenizer)
-        if args.non_stop_penalty is not None:
-            scores = torch.where(stopped, scores, torch.tensor(args.non_stop_penalty))
-        scores = scores.clamp(*args.reward_clip_range)
+        scores, extra_logs, stopped = score(batch.records, batch.responses, reward_fn, tokenizer, args)  # [N]
         pairs = [(r["ids"], response) for r, response in zip(batch.records, batch.responses)]  # N (prompt, response)
         action_mask = pad_sequence([torch.ones(len(r), dtype=torch.bool) for r in batch.responses], batch_first=True)
         old_logprobs = rollout.rollout_logprobs(actor.module, pairs, args, pad_id, share_prompts=False)  # [N, R]

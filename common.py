@@ -969,8 +969,9 @@ def load_checkpoint(engine, args, with_state=False, others=None):
 class Logger:
     """A rich progress bar on rank 0, plus TensorBoard / wandb when asked; metrics are already reduced."""
 
-    def __init__(self, args, total_steps, start_step=0):
+    def __init__(self, args, total_steps, start_step=0, timed=()):
         self.args, self.rank0, self.tb, self.wandb = args, is_rank0(), None, None
+        self.steps, self.start_step, self.totals = total_steps, start_step, dict.fromkeys(timed, 0.0)
         if not self.rank0:
             return
         if args.use_tensorboard:
@@ -991,6 +992,8 @@ class Logger:
         self.progress.start()
 
     def log(self, step, metrics, prefix="train"):
+        if prefix == "train":  # the `timed` seconds, summed for run_times
+            self.totals = {k: v + metrics[k] for k, v in self.totals.items()}
         if not self.rank0:
             return
         text = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
@@ -1003,6 +1006,13 @@ class Logger:
                 self.tb.add_scalar(f"{prefix}/{k}", v, step)
         if self.wandb:
             self.wandb.log({f"{prefix}/{k}": v for k, v in metrics.items()}, step=step)
+
+    def run_times(self, start):
+        """The run's times for eval_results.json: train_time_s, steps, and each `timed` metric's mean per step run
+        (generate_s -> generate_s_per_step)."""
+        done = max(self.steps - self.start_step, 1)
+        return dict(train_time_s=time.time() - start, steps=self.steps,
+                    **{f"{k[:-2]}_s_per_step": v / done for k, v in self.totals.items()})
 
     def close(self):
         if self.rank0:
@@ -1020,16 +1030,17 @@ def log_eval(logger, step, metrics, results=None, suffix=""):
         results.update({f"eval_{k}{suffix}": v for k, v in metrics.items()})
 
 
-def run_times(start, steps, totals, steps_run):
-    """A run's times for eval_results.json: train_time_s, steps, and each of `totals` ({"generate_s": seconds
-    summed over the steps run}) per step run (generate_s_per_step)."""
-    return dict(train_time_s=time.time() - start, steps=steps,
-                **{f"{k[:-2]}_s_per_step": v / max(steps_run, 1) for k, v in totals.items()})
+def due(every, step, total_steps=None):
+    """Whether a step is one of every `every` (--save_steps, --eval_steps; <= 0: never); with total_steps, not the
+    last (the final eval is the run's own)."""
+    return every > 0 and step % every == 0 and (total_steps is None or step < total_steps)
 
 
-def finish(engine, tokenizer, args, results, logger, extra_config=None):
-    """The end of every training script: close the logs (after the final eval is logged), save the model
-    and eval_results.json, and say where."""
+def finish(engine, tokenizer, args, results, logger, extra_config=None, evaluate=None):
+    """The end of every training script: the final eval (with `evaluate`: logged, and kept in results), close the
+    logs, save the model and eval_results.json, and say where."""
+    if evaluate is not None:
+        log_eval(logger, logger.steps, evaluate(), results)
     logger.close()
     save_hf_model(engine, tokenizer, args.save_path, args, extra_config=extra_config)
     write_results(args.save_path, results)

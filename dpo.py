@@ -370,8 +370,8 @@ def main():
         actor.module.eval()
         return evaluate_pairs(actor.module, reference, eval_pairs, eval_answers, tokenizer, args)
 
-    logger, results = common.Logger(args, total_steps, start_step), {}
-    totals = dict(ref_s=0.0, train_s=0.0, step_s=0.0)
+    timed = ("ref_s", "train_s", "step_s")  # summed per step for eval_results.json
+    logger, results = common.Logger(args, total_steps, start_step, timed), {}
     if eval_pairs:
         common.log_eval(logger, start_step, evaluate(), results, "_before")
     for step in range(start_step, total_steps):
@@ -398,17 +398,14 @@ def main():
         metrics["step_s"] = time.time() - step_start
         out = common.all_reduce_means({**stats, **metrics})
         out["lr"] = actor.get_lr()[0]
-        totals = {k: v + out[k] for k, v in totals.items()}
         logger.log(step + 1, out)
-        if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
+        if common.due(args.save_steps, step + 1):
             common.save_checkpoint(actor, args, step + 1)
-        if eval_pairs and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
+        if eval_pairs and common.due(args.eval_steps, step + 1, total_steps):
             common.log_eval(logger, step + 1, evaluate())
 
-    results.update(common.run_times(start, total_steps, totals, total_steps - start_step))
-    if eval_pairs:
-        common.log_eval(logger, total_steps, evaluate(), results)
-    common.finish(actor, tokenizer, args, results, logger)
+    results.update(logger.run_times(start))
+    common.finish(actor, tokenizer, args, results, logger, evaluate=evaluate if eval_pairs else None)
 
 
 if __name__ == "__main__":

@@ -333,8 +333,8 @@ def main():
         rewards, _, logs = score(records, responses, reward_fn, tokenizer, args)
         return {"reward": rewards, **dict(sorted(logs.items()))}
 
-    logger, results = common.Logger(args, total_steps, start_step), {}
-    totals = dict(generate_s=0.0, wait_s=0.0, train_s=0.0, step_s=0.0)
+    timed = ("generate_s", "wait_s", "train_s", "step_s")  # summed per step for eval_results.json
+    logger, results = common.Logger(args, total_steps, start_step, timed), {}
     if eval_prompts:
         common.log_eval(logger, start_step, evaluate(), results, "_before")
     # One optimizer step per rollout and no reference model: the policy being updated is the one that sampled
@@ -418,17 +418,14 @@ def main():
         if args.async_steps:
             out["staleness_max"] = common.all_reduce_max(metrics["staleness"])[0]
         out["lr"] = actor.get_lr()[0]
-        totals = {k: v + out[k] for k, v in totals.items()}
         logger.log(step + 1, out)
-        if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
+        if common.due(args.save_steps, step + 1):
             common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": sampler.trained_cursor})
-        if eval_prompts and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
+        if eval_prompts and common.due(args.eval_steps, step + 1, total_steps):
             common.log_eval(logger, step + 1, evaluate())
 
-    results.update(common.run_times(start, total_steps, totals, total_steps - start_step))
-    if eval_prompts:
-        common.log_eval(logger, total_steps, evaluate(), results)
-    common.finish(actor, tokenizer, args, results, logger)
+    results.update(logger.run_times(start))
+    common.finish(actor, tokenizer, args, results, logger, evaluate=evaluate if eval_prompts else None)
 
 
 if __name__ == "__main__":

@@ -99,8 +99,8 @@ def main():
         actor.module.eval()
         return rollout.evaluate(eval_prompts, engine, rollout.eval_rewards(reward_fn, eval_fn, tokenizer), args)
 
-    logger, results = common.Logger(args, total_steps, start_step), {}
-    totals = dict(generate_s=0.0, reward_s=0.0, ref_s=0.0, train_s=0.0, sync_s=0.0, step_s=0.0)
+    timed = ("generate_s", "reward_s", "ref_s", "train_s", "sync_s", "step_s")  # summed for eval_results.json
+    logger, results = common.Logger(args, total_steps, start_step, timed), {}
     if eval_prompts:
         common.log_eval(logger, start_step, evaluate(), results, "_before")
     for step in range(start_step, total_steps):
@@ -148,17 +148,14 @@ def main():
         out["pairs_tied"], out["pairs_trained"] = out["pairs_tied"] * world, out["pairs_trained"] * world  # totals
         out["val/num_stop_token_ids"] = out.pop("val/stopped") * 2 * args.rollout_batch_size
         out["lr"] = actor.get_lr()[0]
-        totals = {k: v + out[k] for k, v in totals.items()}
         logger.log(step + 1, out)
-        if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
+        if common.due(args.save_steps, step + 1):
             common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": sampler.trained_cursor})
-        if eval_prompts and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
+        if eval_prompts and common.due(args.eval_steps, step + 1, total_steps):
             common.log_eval(logger, step + 1, evaluate())
 
-    results.update(common.run_times(start, total_steps, totals, total_steps - start_step))
-    if eval_prompts:
-        common.log_eval(logger, total_steps, evaluate(), results)
-    common.finish(actor, tokenizer, args, results, logger)
+    results.update(logger.run_times(start))
+    common.finish(actor, tokenizer, args, results, logger, evaluate=evaluate if eval_prompts else None)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,10 @@ correctness) beside the training reward.
 
 The implementation details of open-instruct / "The N+ Implementation Details of RLHF", each where it
 happens: dropout off (common.disable_dropout), prompts left-padded for generation (rollout.generate_hf), the
-response ends at its EOS (rollout.generate_hf, rollout.vllm_sampling), a fixed reward for completions without EOS (--non_stop_penalty), the
-critic's value head initialised small when it starts from a causal LM (init_value_head), the reward
-read at EOS and the KL penalty on every response token (kl_penalized_rewards), advantages whitened.
+response ends at its EOS (rollout.generate_hf, rollout.vllm_sampling), a fixed reward for completions without
+EOS (score, --non_stop_penalty), the critic's value head initialised small when it starts from a causal LM
+(init_value_head), the reward read at EOS and the KL penalty on every response token (kl_penalized_rewards),
+advantages whitened.
 """
 
 import argparse
@@ -231,8 +232,8 @@ def main():
         return rollout.evaluate(eval_prompts, engine, rollout.eval_rewards(reward_fn, eval_fn, tokenizer), args,
                                 pass_key="rule_reward" if eval_fn else "reward")
 
-    logger, results = common.Logger(args, total_steps, start_step), {}
-    totals = dict(generate_s=0.0, wait_s=0.0, forward_s=0.0, train_s=0.0, sync_s=0.0, step_s=0.0)
+    timed = ("generate_s", "wait_s", "forward_s", "train_s", "sync_s", "step_s")  # summed for eval_results.json
+    logger, results = common.Logger(args, total_steps, start_step, timed), {}
     if eval_prompts:
         common.log_eval(logger, start_step, evaluate(), results, "_before")
     for step in range(start_step, total_steps):
@@ -327,23 +328,20 @@ def main():
                    actor_lr=actor.get_lr()[0], critic_lr=critic.get_lr()[0])
         if args.async_steps:
             out["staleness_max"] = common.all_reduce_max(metrics["staleness"])[0]
-        totals = {k: v + out[k] for k, v in totals.items()}
         logger.log(step + 1, out)
         if args.kl_target is not None:
             kl_coef = adaptive_kl_coef(kl_coef, out["kl"], args.kl_target, args.kl_horizon, samples_per_step)
-        if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
+        if common.due(args.save_steps, step + 1):
             # the stream's position after the batch trained on, not after those --async_steps sampled ahead
             common.save_checkpoint(actor, args, step + 1, others={"critic": critic},
                                    extra={"prompt_cursor": sampler.trained_cursor, "kl_coef": kl_coef})
-        if eval_prompts and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
+        if eval_prompts and common.due(args.eval_steps, step + 1, total_steps):
             common.log_eval(logger, step + 1, evaluate())
 
-    results.update(common.run_times(start, total_steps, totals, total_steps - start_step))
-    if eval_prompts:
-        common.log_eval(logger, total_steps, evaluate(), results)
+    results.update(logger.run_times(start))
     if args.save_value_network:
         common.save_hf_model(critic, tokenizer, args.save_path.rstrip("/") + "_critic", args)
-    common.finish(actor, tokenizer, args, results, logger)
+    common.finish(actor, tokenizer, args, results, logger, evaluate=evaluate if eval_prompts else None)
 
 
 if __name__ == "__main__":

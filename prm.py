@@ -241,9 +241,9 @@ def main():
         world = dist.get_world_size()
         logger.log(step + 1, {"loss": loss / world, "step_acc": acc / world, "lr": engine.get_lr()[0],
                               "samples_per_s": args.train_batch_size / (time.time() - t0), "epoch": epoch})
-        if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
+        if common.due(args.save_steps, step + 1):
             common.save_checkpoint(engine, args, step + 1)
-        if eval_data and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
+        if eval_data and common.due(args.eval_steps, step + 1, total_steps):
             logger.log(step + 1, evaluate(engine, eval_data, reward_ids, placeholder_id, tokenizer.pad_token_id, args),
                        prefix="eval")
 

@@ -166,9 +166,9 @@ def main():
         logger.log(step + 1, {"loss": loss / world, "acc": acc / world, "reward_gap": gap / world,
                               "lr": engine.get_lr()[0], "pairs_per_s": args.train_batch_size / (time.time() - t0),
                               "epoch": epoch})
-        if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
+        if common.due(args.save_steps, step + 1):
             common.save_checkpoint(engine, args, step + 1)
-        if eval_data and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
+        if eval_data and common.due(args.eval_steps, step + 1, total_steps):
             logger.log(step + 1, evaluate(engine, eval_data, tokenizer, args), prefix="eval")
 
     results, extra = {"train_time_s": time.time() - start, "steps": total_steps}, {}

@@ -161,7 +161,8 @@ def load_prompt_sets(args, tokenizer, samples_per_prompt):
     world, samples = dist.get_world_size(), args.rollout_batch_size * samples_per_prompt
     if args.rollout_batch_size % world or samples % args.train_batch_size:
         fail(f"--rollout_batch_size {args.rollout_batch_size} must split over {world} processes, and its "
-             f"{args.rollout_batch_size} x {samples_per_prompt} samples into --train_batch_size {args.train_batch_size}")
+             f"{args.rollout_batch_size} x {samples_per_prompt} samples into --train_batch_size "
+             f"{args.train_batch_size}")
     prompts = load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples, args.dataset_probs)
     eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args) if args.eval_dataset else []
     if len(prompts) < args.rollout_batch_size:

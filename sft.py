@@ -195,9 +195,9 @@ def main():
         loss, tokens = common.all_reduce_sum([sum(losses) / len(losses), tokens])
         logger.log(step + 1, {"loss": loss / dist.get_world_size(), "lr": engine.get_lr()[0],
                               "tokens_per_s": tokens / (time.time() - t0), "epoch": epoch})
-        if args.save_steps > 0 and (step + 1) % args.save_steps == 0:
+        if common.due(args.save_steps, step + 1):
             common.save_checkpoint(engine, args, step + 1)
-        if eval_data and args.eval_steps > 0 and (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
+        if eval_data and common.due(args.eval_steps, step + 1, total_steps):
             logger.log(step + 1, evaluate(engine, eval_data, eval_records, tokenizer, args), prefix="eval")
 
     results = {"train_time_s": time.time() - start, "steps": total_steps}

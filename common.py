@@ -616,29 +616,28 @@ def load_records(source, split="train", required_keys=(), max_samples=None, with
     Several sources, comma-separated ("a.jsonl,b.jsonl"), are concatenated; with `probs` they are mixed
     instead: --max_samples records (default: as many as all sources hold), each drawn from source i with
     probability probs[i], going through that source in a seeded shuffled order (and round again if needed)."""
-    sources = [s for s in str(source).split(",") if s]
+    sources = [s for s in str(source).split(",") if s] or [str(source)]
     if probs is not None and len(probs) != len(sources):
         fail(f"--dataset_probs has {len(probs)} weights for {len(sources)} datasets ({source})")
     if probs is not None and (min(probs) < 0 or sum(probs) <= 0):
         fail(f"--dataset_probs {','.join(map(str, probs))}: weights must be >= 0 with a positive sum")
-    if len(sources) > 1:
-        parts = [load_records(s, split, required_keys, None if probs else max_samples, True) for s in sources]
-        if probs is None:
-            records, where = [r for p in parts for r in p[0]], [w for p in parts for w in p[1]]
-            records, where = records[:max_samples or None], where[:max_samples or None]
-            return (records, where) if with_locations else records
+    mix = probs is not None and len(sources) > 1
+    parts = [read_records(s, split, required_keys, None if mix else max_samples) for s in sources]
+    if not mix:
+        rows = [row for part in parts for row in part][:max_samples or None]
+    else:
         rng = np.random.default_rng(seed)
-        n = max_samples or sum(len(p[0]) for p in parts)
-        picks = rng.choice(len(parts), size=n, p=np.array(probs) / sum(probs))
-        orders = [rng.permutation(len(p[0])) for p in parts]
-        taken, records, where = [0] * len(parts), [], []
+        picks = rng.choice(len(parts), size=max_samples or sum(map(len, parts)), p=np.array(probs) / sum(probs))
+        orders, taken, rows = [rng.permutation(len(part)) for part in parts], [0] * len(parts), []
         for i in picks:
-            j = orders[i][taken[i] % len(orders[i])]
+            rows.append(parts[i][orders[i][taken[i] % len(parts[i])]])
             taken[i] += 1
-            records.append(parts[i][0][j])
-            where.append(parts[i][1][j])
-        return (records, where) if with_locations else records
-    source = sources[0] if sources else source
+    records = [record for record, _ in rows]
+    return (records, [where for _, where in rows]) if with_locations else records
+
+
+def read_records(source, split, required_keys, max_samples):
+    """load_records of one source -> [(record, its location)], the first max_samples, each checked."""
     import datasets
 
     path = Path(source)
@@ -675,15 +674,15 @@ def load_records(source, split="train", required_keys=(), max_samples=None, with
         where = [f"{source}: record {i}" for i in range(len(records))]
     if not records:
         fail(f"dataset {source} is empty")
-    records = records[:max_samples] if max_samples else records
-    for i, r in enumerate(records):
-        if not isinstance(r, dict):
-            fail(f"{where[i]}: expected a JSON object, got {type(r).__name__}")
+    rows = list(zip(records, where))[:max_samples or None]
+    for record, location in rows:
+        if not isinstance(record, dict):
+            fail(f"{location}: expected a JSON object, got {type(record).__name__}")
         for key in required_keys:
-            if r.get(key) is None:
-                fail(f"{where[i]}: missing key {key!r} (keys: {', '.join(r) or 'none'}); "
+            if record.get(key) is None:
+                fail(f"{location}: missing key {key!r} (keys: {', '.join(record) or 'none'}); "
                      f"set the matching --*_key flag")
-    return (records, where[:len(records)]) if with_locations else records
+    return rows
 
 
 def format_prompt(raw, tokenizer, args):

@@ -18,7 +18,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Mixtra
 import common
 import dpo
 import grpo
-import ppo
 import sft
 from conftest import ROOT, results, run_script, script_args, stock_accuracy
 from test_e2e import stock_rm_eval, stock_sft_eval
@@ -328,16 +327,16 @@ def test_no_advantage_std_norm_only_centers():
         assert c == pytest.approx(v - sum(kept) / len(kept) if m else 0.0, abs=1e-6)
 
 
-@pytest.mark.parametrize("rl", [grpo, ppo])
-def test_entropy_bonus_has_a_gradient(policy, rl):
-    """--entropy_loss_coef: the entropy response_logprobs returns equals -sum p log p of the softmax (float64
-    loop), and carries a gradient, so the bonus changes the update."""
+@pytest.mark.parametrize("share_prompts", [True, False], ids=["grpo", "ppo"])
+def test_entropy_bonus_has_a_gradient(policy, share_prompts):
+    """--entropy_loss_coef: the entropy common.response_logprobs returns (laid out as grpo.py and ppo.py ask)
+    equals -sum p log p of the softmax (float64 loop), and carries a gradient, so the bonus changes the update."""
     tok = AutoTokenizer.from_pretrained(policy)
     model = AutoModelForCausalLM.from_pretrained(policy)
     batch = [(torch.tensor(tok("12+34=")["input_ids"]), torch.tensor([5, 7, 9])),
              (torch.tensor(tok("7+8=")["input_ids"]), torch.tensor([4, 2]))]
-    args = script_args(temperature=0.7, packing_samples=False)
-    _, entropy, _ = rl.response_logprobs(model, batch, args, tok.pad_token_id, with_entropy=True)
+    _, entropy, _ = common.response_logprobs(model, batch, tok.pad_token_id, False, 0.7, with_entropy=True,
+                                             share_prompts=share_prompts)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
     assert entropy.requires_grad
     common.masked_mean(entropy, mask).backward()

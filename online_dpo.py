@@ -65,9 +65,6 @@ def parse_args():
                     "or --remote_rm_url (URL or .py file)")
     if args.temperature <= 0:
         common.fail("--temperature must be > 0: two greedy completions of a prompt are the same (a tie)")
-    if args.rollout_batch_size % args.train_batch_size:
-        common.fail(f"--rollout_batch_size {args.rollout_batch_size} must be a multiple of --train_batch_size "
-                    f"{args.train_batch_size} (prompts, one pair each before ties are dropped)")
     rollout.check_engine_options(args)
     return args
 

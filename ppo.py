@@ -140,8 +140,6 @@ def init_value_head(critic, path, args):
             torch.nn.init.normal_(critic.score.weight, std=1 / math.sqrt(critic.config.hidden_size + 1))
 
 
-
-
 def load_critic(path, args, tokenizer, cfg, num_training_steps):
     """The critic: a sequence classifier (one output) from `path` with dropout off and init_value_head, wrapped by
     DeepSpeed with its own optimizer at --critic_learning_rate."""

@@ -609,20 +609,21 @@ def check_model_path(path):
 
 # ---------------------------------------------------------------------------------------------- data
 def load_records(source, split="train", required_keys=(), max_samples=None, with_locations=False, probs=None,
-                 seed=42):
+                 seed=42, hint=None):
     """A list of dict records from a .jsonl/.json/.parquet/.csv file, a saved dataset dir or a hub name.
     JSON lines are parsed here, so a malformed line is reported by number. With `with_locations`, also
     each record's location ("file: line N") for the caller's own error messages.
     Several sources, comma-separated ("a.jsonl,b.jsonl"), are concatenated; with `probs` they are mixed
     instead: --max_samples records (default: as many as all sources hold), each drawn from source i with
-    probability probs[i], going through that source in a seeded shuffled order (and round again if needed)."""
+    probability probs[i], going through that source in a seeded shuffled order (and round again if needed).
+    `hint`: what a missing key's error adds (a script's other way to read the data)."""
     sources = [s for s in str(source).split(",") if s] or [str(source)]
     if probs is not None and len(probs) != len(sources):
         fail(f"--dataset_probs has {len(probs)} weights for {len(sources)} datasets ({source})")
     if probs is not None and (min(probs) < 0 or sum(probs) <= 0):
         fail(f"--dataset_probs {','.join(map(str, probs))}: weights must be >= 0 with a positive sum")
     mix = probs is not None and len(sources) > 1
-    parts = [read_records(s, split, required_keys, None if mix else max_samples) for s in sources]
+    parts = [read_records(s, split, required_keys, None if mix else max_samples, hint) for s in sources]
     if not mix:
         rows = [row for part in parts for row in part][:max_samples or None]
     else:
@@ -636,7 +637,7 @@ def load_records(source, split="train", required_keys=(), max_samples=None, with
     return (records, [where for _, where in rows]) if with_locations else records
 
 
-def read_records(source, split, required_keys, max_samples):
+def read_records(source, split, required_keys, max_samples, hint=None):
     """load_records of one source -> [(record, its location)], the first max_samples, each checked."""
     import datasets
 
@@ -681,7 +682,7 @@ def read_records(source, split, required_keys, max_samples):
         for key in required_keys:
             if record.get(key) is None:
                 fail(f"{location}: missing key {key!r} (keys: {', '.join(record) or 'none'}); "
-                     f"set the matching --*_key flag")
+                     f"set the matching --*_key flag" + (f", or {hint}" if hint else ""))
     return rows
 
 

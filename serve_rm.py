@@ -31,16 +31,15 @@ What is scored (seq_cls), so that rm.py's models score as they were trained and 
 what OpenRLHF's own serve_rm gives it:
   1. pad and eos tokens at either end of a query are dropped, and whitespace after the last of them
      ("...<|im_end|>\n" as a chat template renders a reply);
-  2. one BOS: the tokenizer's own rule, unless the text already starts with its BOS (OpenRLHF decodes
-     sequences with their special tokens; a chat template renders it), so never a second one;
+  2. no special token is added: a query has a BOS only if its text does (OpenRLHF's trainer, and ours, send
+     sequences decoded with their special tokens, the BOS the tokenizer put before the prompt included);
   3. one EOS is appended: the token the reward is read at (rm.py's sequences always end in one).
-  'messages' are rendered with the chat template and tokenized with no special tokens but those the
-  template writes, then steps 1 and 3, exactly as rm.py tokenizes a conversation. OpenRLHF's serve_rm
-  (0.11) tokenizes the query as sent, with no special tokens added: on its trainer's payloads (BOS if the
-  tokenizer has one, prompt, response, EOS) the ids are the same. The one difference is a response cut at
-  the length limit (no EOS): OpenRLHF reads the reward at its last token, this server at an appended EOS,
-  the only token a reward model trained on EOS-terminated pairs has learnt to score.
-The other kinds score the text as sent, with one BOS by the same rule.
+  'messages' are rendered with the chat template (which writes its own BOS, if any), then steps 1-3, exactly as
+  rm.py tokenizes a conversation. This is what OpenRLHF's serve_rm (0.11) scores, the query as sent with no
+  special tokens added, but for a response cut at the length limit (no EOS): OpenRLHF reads the reward at its
+  last token, this server at an appended EOS, the only token a reward model trained on EOS-terminated pairs
+  has learnt to score.
+The other kinds score the text as sent, no special tokens added.
 
 How it is fast: requests are tokenized on arrival and queued; one worker thread takes everything queued
 (waiting up to --max_wait_ms for requests already in flight, never when a request is alone), sorts the
@@ -130,16 +129,13 @@ def strip_ends(text, tokenizer):
     return text
 
 
-def tokenize(text, tokenizer, args, templated=False):
-    """Token ids as scored. seq_cls: the text without its end pads/eos (strip_ends), one BOS, then the one
-    EOS the reward is read at (kept when truncating to --max_len). The BOS is the tokenizer's own rule, unless
-    the text already starts with it (OpenRLHF sends decodes that carry it; a chat template renders it): a
-    query never gets a second. A conversation rendered from 'messages' gets no special tokens but its
-    template's, as rm.py tokenizes one. The other kinds score the text as is (one BOS, same rule),
-    truncated from the left, keeping its end."""
+def tokenize(text, tokenizer, args):
+    """Token ids as scored: the text's own, no special token added (a BOS only where the text has one, as
+    OpenRLHF's serve_rm). seq_cls: the text without its end pads/eos (strip_ends), then the one EOS the reward
+    is read at (kept when truncating to --max_len). The other kinds: the text as is, truncated from the left,
+    keeping its end."""
     text = strip_ends(text, tokenizer) if args.rm_type == "seq_cls" else text
-    specials = not templated and not (tokenizer.bos_token and text.startswith(tokenizer.bos_token))
-    ids = tokenizer(text, add_special_tokens=specials)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if args.rm_type != "seq_cls":
         return ids[-args.max_len:]
     ids = ids if ids and ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
@@ -318,7 +314,7 @@ def create_app(args):
         batcher = state["batcher"]
         batcher.in_flight += 1
         try:
-            results = await batcher.score([tokenize(t, tokenizer, args, req.messages is not None) for t in texts])
+            results = await batcher.score([tokenize(t, tokenizer, args) for t in texts])
         finally:
             batcher.in_flight -= 1
         if args.rm_type != "prm":

@@ -158,14 +158,15 @@ def main():
 
     tokenizer = common.load_tokenizer(args.pretrain, args)
     keys = [args.input_key] if args.multiturn or args.pretrain_mode else [args.input_key, args.output_key]
+    hint = None if args.multiturn else "for chat conversations: --multiturn --apply_chat_template --input_key KEY"
     records = common.load_records(args.dataset, args.dataset_split, keys, args.max_samples, probs=args.dataset_probs,
-                                  seed=args.seed)
+                                  seed=args.seed, hint=hint)
     train = [s for s in (tokenize_sample(r, tokenizer, args) for r in records) if s is not None]
     if len(train) < len(records) and common.is_rank0():
         common.console.print(f"dropped {len(records) - len(train)} samples whose prompt exceeds --max_len")
     if len(train) < args.train_batch_size:
         common.fail(f"{args.dataset}: {len(train)} usable samples, fewer than --train_batch_size")
-    eval_records = common.load_records(args.eval_dataset, args.eval_split, keys) if args.eval_dataset else []
+    eval_records = common.load_records(args.eval_dataset, args.eval_split, keys, hint=hint) if args.eval_dataset else []
     eval_data = [s for s in (tokenize_sample(r, tokenizer, args) for r in eval_records) if s is not None]
 
     cfg = common.ds_config(args)

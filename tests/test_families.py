@@ -174,7 +174,7 @@ def test_rewards_read_where_rm_trains_them(family_dirs, family):
         conv = [{"role": "user", "content": "12+34="}, {"role": "assistant", "content": "46"}]
         rendered = tok.apply_chat_template(conv, tokenize=False)
         queries += [rendered, rendered.rstrip(), rendered + tok.eos_token, rendered + tok.pad_token]
-        assert serve_rm.tokenize(rendered, tok, srv, templated=True) == want  # 'messages'
+        assert serve_rm.tokenize(rendered, tok, srv) == want  # 'messages'
         assert tok(rendered.rstrip(), add_special_tokens=False)["input_ids"] == want  # the README's stock recipe
     else:
         plain = record["input"] + record["chosen"]
@@ -182,6 +182,23 @@ def test_rewards_read_where_rm_trains_them(family_dirs, family):
         queries += [plain, plain + tok.eos_token, tok.decode(tok(plain)["input_ids"])]
     for q in queries:
         assert serve_rm.tokenize(q, tok, srv) == want, (q, tok.convert_ids_to_tokens(serve_rm.tokenize(q, tok, srv)))
+
+    # the RL scripts' reward clients send text as the policy saw it (special tokens kept), which the server scores as
+    # exactly those ids (and EOS where the response was cut): with the template, and without it (a BOS added by the
+    # tokenizer, sentencepiece's "▁" words)
+    cases = [(tok, prompt_ids.tolist(), want[len(prompt_ids):])]
+    if family != "gpt2":
+        plain_tok, _ = load_tokenizer(path, family, chat=False)
+        plain_prompt = plain_tok("12+34=")["input_ids"]
+        plain_want = plain_tok.convert_tokens_to_ids(PLAIN_SAMPLE[family])
+        cases.append((plain_tok, plain_prompt, plain_want[len(plain_prompt):]))
+    for t, prompt, response in cases:
+        sent = {}
+        records = [{"ids": torch.tensor(prompt), "label": None}] * 2
+        rollout.client_rewards(lambda q, p, labels: sent.update(q=q, p=p) or [0.0] * len(q), records,
+                               [torch.tensor(response), torch.tensor(response[:-1])], t)
+        assert all(q.startswith(p) for q, p in zip(sent["q"], sent["p"])), sent
+        assert [serve_rm.tokenize(q, t, srv) for q in sent["q"]] == [prompt + response] * 2, sent
 
 
 @pytest.mark.parametrize("family", families.FAMILIES)

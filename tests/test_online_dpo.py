@@ -19,7 +19,7 @@ import json, os
 def reward_func(queries, prompts, labels):
     # a prompt's two samples are consecutive: on rank 0 the first 3 pairs of two different numbers score as those
     # numbers, every other pair ties (-1, -1), and so does every pair on rank 1; each call is appended to a file
-    answers = [q[len(p):] for q, p in zip(queries, prompts)]
+    answers = [q[len(p):].removesuffix("</s>") for q, p in zip(queries, prompts)]  # the EOS that ended a sample
     rewards, decided, rank = [-1.0] * len(answers), 0, int(os.environ["RANK"])
     for i in range(0, len(answers), 2):
         a, b = answers[i:i + 2]
@@ -64,7 +64,8 @@ def test_first_online_step_is_adams_first_step_on_the_mean_over_kept_pairs(polic
         (a, b), (ra, rb) = call["answers"][i:i + 2], call["rewards"][i:i + 2]
         if ra != rb:
             chosen, rejected = (a, b) if ra > rb else (b, a)
-            kept.append((torch.tensor(tok(call["prompts"][i])["input_ids"]), ids(chosen), ids(rejected)))
+            kept.append((torch.tensor(tok(call["prompts"][i], add_special_tokens=False)["input_ids"]), ids(chosen),
+                         ids(rejected)))  # the prompt as the policy saw it, its BOS included
     assert len(kept) == 3
 
     model = AutoModelForCausalLM.from_pretrained(policy).double()

@@ -81,7 +81,7 @@ def test_ppo_vllm(policy, reward_model, eval_file, tmp_path):
 
 
 def test_ppo_remote_reward_server(policy, eval_file, tmp_path):
-    server = RewardServer(reward=lambda q, p, label: float(q[len(p):].strip() == label))
+    server = RewardServer(reward=lambda q, p, label: float(q[len(p):].removesuffix("</s>").strip() == label))
     try:
         proc = run_script("ppo.py", *STEP, "--pretrain", policy, "--remote_rm_url", server.url, "--label_key",
                           "label", "--eval_dataset", eval_file, "--save_path", tmp_path / "r")
@@ -93,6 +93,10 @@ def test_ppo_remote_reward_server(policy, eval_file, tmp_path):
     first = server.requests[1]  # the first came from the eval before training
     assert set(first) == {"query", "prompts", "labels"} and len(first["query"]) == 16
     assert all(q.startswith(p) for q, p in zip(first["query"], first["prompts"]))
+    # text as the policy saw it, as OpenRLHF sends it: the prompt with the BOS the tokenizer added, a completion
+    # with the EOS that ended it (these stop within --generate_max_len)
+    assert all(p.startswith("<s>") and p.count("<s>") == 1 for p in first["prompts"])
+    assert sum(q.endswith("</s>") for q in first["query"]) > 8
     step1 = float([line for line in log.splitlines() if line.startswith("train step 1:")][0].split(" reward=")[1].split()[0])
     assert step1 == pytest.approx(sum(server.sent[1]) / 16, abs=1e-3)
     assert results(tmp_path / "r")["eval_reward"] == stock_accuracy(tmp_path / "r", eval_file)

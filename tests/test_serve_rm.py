@@ -72,16 +72,19 @@ class Server:
 
 @torch.no_grad()
 def offline_seq_cls(path, texts):
-    """The stock classifier on each text alone, EOS appended (as rm.py trains and the server scores)."""
+    """The stock classifier on exactly each text's tokens, EOS appended (the token rm.py reads rewards at), no special
+    token added: a BOS only where the text has one, as OpenRLHF's serve_rm scores."""
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path).eval()
-    return [model(**tok(t + tok.eos_token, return_tensors="pt")).logits[0, 0].item() for t in texts]
+    return [model(**tok(t + tok.eos_token, add_special_tokens=False, return_tensors="pt")).logits[0, 0].item()
+            for t in texts]
 
 
 def random_text(rng):
+    """A sum, right or not, and junk; with the toy's BOS in front or not (the server adds none)."""
     a, b = rng.randrange(100), rng.randrange(100)
-    return f"{a:02d}+{b:02d}={a + b + rng.choice([0, 0, 1])}" + "".join(rng.choice("0123456789+=\n ")
-                                                                        for _ in range(rng.randrange(0, 60)))
+    return rng.choice(["", "<s>"]) + f"{a:02d}+{b:02d}={a + b + rng.choice([0, 0, 1])}" + "".join(
+        rng.choice("0123456789+=\n ") for _ in range(rng.randrange(0, 60)))
 
 
 def test_seq_cls_concurrent_requests_match_offline_scoring(models):
@@ -147,16 +150,16 @@ def test_normalized_seq_cls_and_auth(models):
 def test_causal_lm_token_and_prm(models):
     tok = AutoTokenizer.from_pretrained(models / "lm")
     lm = AutoModelForCausalLM.from_pretrained(models / "lm").eval()
-    texts = ["07+45=52", "1+2=3\n3+4=7", "99+1="]
+    texts = ["07+45=52", "<s>1+2=3\n3+4=7", "99+1="]
     plus = tok.convert_tokens_to_ids("+")
     server = Server("--reward_pretrain", models / "lm", "--rm_type", "causal_lm_token", "--reward_token_id", plus)
     try:
         got = server.post({"query": texts}).json()["rewards"]
-        want = [lm(**tok(t, return_tensors="pt")).logits[0, -1, plus].item() for t in texts]
+        want = [lm(**tok(t, add_special_tokens=False, return_tensors="pt")).logits[0, -1, plus].item() for t in texts]
         assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5
     finally:
         server.close()
-    solutions = ["05+15+07\n05+15=20 ки\n20+07=27 ки", "10+20\n10+20=30 ки", "1+1\nno steps here"]
+    solutions = ["<s>05+15+07\n05+15=20 ки\n20+07=27 ки", "10+20\n10+20=30 ки", "1+1\nno steps here"]
     server = Server("--reward_pretrain", models / "lm", "--rm_type", "prm", "--prm_reduce", "min")
     try:
         reply = server.post({"query": solutions}).json()
@@ -164,7 +167,7 @@ def test_causal_lm_token_and_prm(models):
         server.close()
     placeholder, reward_ids = lm.config.placeholder_token_id, lm.config.reward_token_ids
     for text, steps, reward in zip(solutions, reply["step_rewards"], reply["rewards"]):
-        ids = tok(text, return_tensors="pt")["input_ids"]
+        ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         logits = lm(ids).logits[0]
         want = torch.softmax(logits[ids[0] == placeholder][:, reward_ids], -1)[:, 0].tolist()
         assert len(steps) == len(want) and all(abs(a - b) <= 1e-5 for a, b in zip(steps, want))

@@ -5,13 +5,14 @@
     RM_API_KEY=secret python serve_rm.py --reward_pretrain ckpt/rm --host 0.0.0.0 --bf16 --max_len 4096
 
     curl -s 127.0.0.1:5000/get_reward -d '{"query": ["07+45=52"]}'
-    -> {"rewards": [1.23], "scores": [1.23], "extra_logs": {}}
+    -> {"rewards": [1.23], "scores": [1.23], "extra_logs": {"dummy_scores": [1.23]}}
 
 API
   POST /get_reward  {"query": [str, ...], "prompts": [...]?, "labels": [...]?}  (what OpenRLHF's trainer
                     sends), or {"messages": [[{"role": ..., "content": ...}, ...], ...]} (rendered with the
                     model's chat template). Reply: "rewards" and "scores" (the same floats, in request
-                    order; current OpenRLHF clients read "scores", older ones "rewards") and "extra_logs";
+                    order; current OpenRLHF clients read "scores", older ones "rewards") and "extra_logs" (OpenRLHF's
+                    "dummy_scores": the same floats again, which its trainer logs);
                     with --rm_type prm also "step_rewards", the per-step probabilities of each query.
   GET /health       200 once the model is loaded, 503 before.
   GET /info         model, kind, max_len and batching limits.
@@ -318,10 +319,10 @@ def create_app(args):
         finally:
             batcher.in_flight -= 1
         if args.rm_type != "prm":
-            return {"rewards": results, "scores": results, "extra_logs": {}}
+            return {"rewards": results, "scores": results, "extra_logs": {"dummy_scores": results}}
         reduce = {"min": min, "last": lambda s: s[-1], "mean": lambda s: sum(s) / len(s)}[args.prm_reduce]
         rewards = [reduce(steps) if steps else 0.0 for steps in results]
-        return {"rewards": rewards, "scores": rewards, "step_rewards": results, "extra_logs": {}}
+        return {"rewards": rewards, "scores": rewards, "step_rewards": results, "extra_logs": {"dummy_scores": rewards}}
 
     return app
 

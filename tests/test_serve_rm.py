@@ -105,7 +105,7 @@ def test_seq_cls_concurrent_requests_match_offline_scoring(models):
         want = offline_seq_cls(models / "seq_cls", texts)
         got = [x for r in replies for x in r.json()["rewards"]]
         assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5 and len(got) == len(want) == len(texts)
-        assert all(r.json()["scores"] == r.json()["rewards"] for r in replies)
+        assert all(r.json()["scores"] == r.json()["rewards"] == r.json()["extra_logs"]["dummy_scores"] for r in replies)
         # OpenRLHF's trainer payload: decoded sequences with pad/eos around them, prompts and labels
         tok = AutoTokenizer.from_pretrained(models / "seq_cls")
         noisy = [tok.pad_token * 3 + t + tok.eos_token + tok.pad_token * 2 for t in texts[:5]]

@@ -23,6 +23,10 @@ Stages run as plain commands (shown as they start), each from the previous stage
                                                             held-out exact match, or greedy accuracy, before -> after
     python ppo.py --pretrain runs/sft_short --reward_pretrain runs/rm_policy --normalize_reward ... [--vllm | --ray]
                                         -> runs/ppo, runs/ppo_vllm, runs/ppo_ray (the same, per backend)
+    python sft.py --pretrain runs/sft_short --dataset toy_world/tool_sft_train.jsonl ... -> runs/sft_tool
+                                                            the tool task's format: "07+x=" -> "?" (ask) or a guess
+    python grpo.py --pretrain runs/sft_tool --agent_func_path toy_agent.py ... -> runs/grpo_tool
+                                                            episodes: held-out greedy accuracy before -> after
 """
 
 import json
@@ -63,6 +67,16 @@ def stages(world):
     # harder than the toy defaults (one sample) do
     ppo = ["--pretrain", "runs/sft_short", "--reward_pretrain", "runs/rm_policy", "--normalize_reward",
            "--n_samples_per_prompt", "8"]
+    # a short SFT in the tool format from SFT short (asks 30% of the time, else guesses), then GRPO on episodes
+    tool_sft = ["--dataset", f"{world}/tool_sft_train.jsonl", "--eval_dataset", f"{world}/tool_sft_test.jsonl",
+                "--learning_rate", "5e-4", "--lr_warmup_ratio", "0.05", "--train_batch_size", "64",
+                "--micro_train_batch_size", "64", "--max_len", "32", "--eval_generate_samples", "1000",
+                "--generate_max_len", "5"]
+    tool = ["--agent_func_path", "toy_agent.py", "--dataset", f"{world}/tool_train.jsonl", "--eval_dataset",
+            f"{world}/tool_test.jsonl", "--label_key", "label", "--prompt_max_len", "16", "--generate_max_len", "16",
+            "--rollout_batch_size", "32", "--n_samples_per_prompt", "8", "--train_batch_size", "256",
+            "--micro_train_batch_size", "64", "--micro_rollout_batch_size", "64", "--learning_rate", "5e-5",
+            "--lr_warmup_ratio", "0.05", "--max_samples", "6400", "--eval_steps", "50"]
     return [
         ("SFT", ["sft.py", "--save_path", "runs/sft"], "runs/sft", "eval_exact_match", "held-out exact match"),
         ("RM", ["rm.py", "--pretrain", "runs/sft", "--save_path", "runs/rm"], "runs/rm", "eval_acc",
@@ -92,6 +106,11 @@ def stages(world):
          "held-out greedy accuracy"),
         ("PPO Ray", ["ppo.py", *ppo, "--ray", "--save_path", "runs/ppo_ray"], "runs/ppo_ray", "eval_accuracy",
          "held-out greedy accuracy"),
+        # the tool task (toy_agent.py): "07+x=" hides x, which the environment reveals when asked ("?")
+        ("SFT tool", ["sft.py", "--pretrain", "runs/sft_short", *tool_sft, "--save_path", "runs/sft_tool"],
+         "runs/sft_tool", "eval_exact_match", "held-out exact match (first turn or answer)"),
+        ("GRPO tool", ["grpo.py", "--pretrain", "runs/sft_tool", *tool, "--save_path", "runs/grpo_tool"],
+         "runs/grpo_tool", "eval_accuracy", "held-out greedy accuracy (episodes)"),
     ]
 
 

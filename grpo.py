@@ -179,10 +179,10 @@ def loss_family(args):
 
 
 # ------------------------------------------------------------------------------------------- rollout
-def score(records, responses, reward_fn, tokenizer, args):
+def score(records, samples, reward_fn, tokenizer, args):
     """Rewards, scores and extra logs ([N] each), with the length penalties on the rewards."""
-    rewards, scores, logs = reward_fn(records, responses)
-    stopped = rollout.stopped(responses, tokenizer)
+    rewards, scores, logs = reward_fn(records, samples)
+    responses, stopped = samples.responses, rollout.stopped(samples, tokenizer)
     if args.non_stop_penalty is not None:  # a completion cut off at --generate_max_len gets a fixed reward
         rewards = torch.where(stopped, rewards, torch.tensor(args.non_stop_penalty))
     if args.overlong_buffer_len:  # DAPO: a linear penalty over the last --overlong_buffer_len tokens
@@ -201,11 +201,11 @@ def sample_groups(sampler, reward_fn, tokenizer, args):
     metrics)."""
     n, want = args.n_samples_per_prompt, args.rollout_batch_size // dist.get_world_size()
     metrics = dict(generate_s=0.0, wait_s=0.0, reward_s=0.0, rounds=0, groups_dropped=0, groups_topped_up=0)
-    records, responses, engine_logprobs, rewards, logs, group_scores = [], [], [], [], [], []
+    records, responses, engine_logprobs, action_mask, rewards, logs, group_scores = [], [], [], [], [], [], []
     while True:
         batch = sampler.draw()
         t = time.time()
-        batch_rewards, scores, batch_logs = score(batch.records, batch.responses, reward_fn, tokenizer, args)
+        batch_rewards, scores, batch_logs = score(batch.records, batch, reward_fn, tokenizer, args)
         metrics["reward_s"] += time.time() - t
         metrics["generate_s"] += batch.generate_s
         metrics["wait_s"] += batch.wait_s  # in step, or the time the producer's batch was not ready yet
@@ -213,6 +213,7 @@ def sample_groups(sampler, reward_fn, tokenizer, args):
         records += batch.records
         responses += batch.responses
         engine_logprobs += batch.logprobs or []
+        action_mask += batch.action_mask or []
         rewards.append(batch_rewards)
         logs.append({"score": scores, **batch_logs})
         group_scores += scores.double().reshape(-1, n).mean(-1).tolist()  # [groups]
@@ -229,7 +230,8 @@ def sample_groups(sampler, reward_fn, tokenizer, args):
     idx = [g * n + j for g in groups for j in range(n)]
     kept_batch = rollout.Batch(responses=[responses[i] for i in idx], records=[records[i] for i in idx],
                                logprobs=pad_sequence([engine_logprobs[i] for i in idx], batch_first=True).float()
-                               if engine_logprobs else None, version=batch.version)
+                               if engine_logprobs else None, version=batch.version,
+                               action_mask=[action_mask[i] for i in idx] if action_mask else None)
     return (kept_batch, torch.cat(rewards)[idx], {k: torch.cat([x[k] for x in logs])[idx] for k in logs[0]},
             metrics)
 
@@ -271,10 +273,11 @@ def parse_args():
         # calibrated on 2 CPU cores from runs/sft_short (~33% held-out): ~+23 points in 200 steps, ~80 s
         rollout_batch_size=32, n_samples_per_prompt=8, train_batch_size=256, micro_train_batch_size=64,
         micro_rollout_batch_size=64, learning_rate=5e-5, lr_warmup_ratio=0.05, max_samples=6400, eval_steps=50))
-    if args.reward_pretrain and args.remote_rm_url == TOY_REWARD:
-        args.remote_rm_url = None  # a reward model replaces the toy world's rule reward
-    if (args.remote_rm_url is None) == (args.reward_pretrain is None):
-        common.fail("give exactly one reward: --remote_rm_url (URL or .py file) or --reward_pretrain")
+    if (args.reward_pretrain or args.agent_func_path) and args.remote_rm_url == TOY_REWARD:
+        args.remote_rm_url = None  # a reward model or an agent replaces the toy world's rule reward
+    if sum(x is not None for x in (args.remote_rm_url, args.reward_pretrain, args.agent_func_path)) != 1:
+        common.fail("give exactly one reward: --remote_rm_url (URL or .py file), --reward_pretrain or "
+                    "--agent_func_path")
     if args.advantage_estimator == "rloo" and args.n_samples_per_prompt < 2:
         common.fail("rloo needs --n_samples_per_prompt >= 2 (its baseline is the other samples)")
     if args.dual_clip is not None and args.dual_clip <= 1:
@@ -329,8 +332,8 @@ def main():
         actor.module.eval()
         return rollout.evaluate(eval_prompts, engine, eval_metrics, args)
 
-    def eval_metrics(records, responses):
-        rewards, _, logs = score(records, responses, reward_fn, tokenizer, args)
+    def eval_metrics(records, samples):
+        rewards, _, logs = score(records, samples, reward_fn, tokenizer, args)
         return {"reward": rewards, **dict(sorted(logs.items()))}
 
     timed = ("generate_s", "wait_s", "train_s", "step_s")  # summed per step for eval_results.json
@@ -348,7 +351,8 @@ def main():
         batch, rewards, logs, metrics = sample_groups(sampler, reward_fn, tokenizer, args)
         t = time.time()
         pairs = [(r["ids"], response) for r, response in zip(batch.records, batch.responses)]  # N (prompt, response)
-        action_mask = pad_sequence([torch.ones(len(r), dtype=torch.bool) for r in batch.responses], batch_first=True)
+        action_mask = pad_sequence(batch.action_mask or [torch.ones(len(r), dtype=torch.bool) for r in batch.responses],
+                                   batch_first=True)  # 0 on an agent's environment tokens
         old_logprobs = None if on_policy else rollout.rollout_logprobs(actor.module, pairs, args, pad_id)  # [N, R]
         ref_logprobs = rollout.rollout_logprobs(ref, pairs, args, pad_id) if ref is not None else None  # [N, R]
 
@@ -417,6 +421,8 @@ def main():
             stds={"reward": rewards})
         if args.async_steps:
             out["staleness_max"] = common.all_reduce_max(metrics["staleness"])[0]
+        if args.agent_func_path:  # the longest episode (turns' mean is in the logs)
+            out["turns_max"] = common.all_reduce_max([logs["turns"].max().item()])[0]
         out["lr"] = actor.get_lr()[0]
         logger.log(step + 1, out)
         if common.due(args.save_steps, step + 1):

@@ -119,9 +119,10 @@ def main():
     generate_s, t = time.time() - t, time.time()
 
     # 2. judge every completion: the text a labeller reads, or the reward model's score at its EOS
-    scores = rollout.reward_fn(args, tokenizer, None, client)(samples, responses)[0].tolist()
+    sampled = rollout.Samples(responses)
+    scores = rollout.reward_fn(args, tokenizer, None, client)(samples, sampled)[0].tolist()
     completions = [tokenizer.decode(r, skip_special_tokens=True) for r in responses]
-    stopped = rollout.stopped(responses, tokenizer).tolist()
+    stopped = rollout.stopped(sampled, tokenizer).tolist()
     judge_s = time.time() - t
 
     # 3. pairs: the best against the worst completion of each prompt, or (--pairs all) every two that differ

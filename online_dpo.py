@@ -107,8 +107,8 @@ def main():
         actor.module.eval()
         batch = sampler.draw()
         t = time.time()
-        scores, _, extra_logs = reward_fn(batch.records, batch.responses)  # [2N]
-        stopped = rollout.stopped(batch.responses, tokenizer)
+        scores, _, extra_logs = reward_fn(batch.records, batch)  # [2N]
+        stopped = rollout.stopped(batch, tokenizer)
         if args.non_stop_penalty is not None:  # a completion cut off at --generate_max_len gets a fixed score
             scores = torch.where(stopped, scores, torch.tensor(args.non_stop_penalty, dtype=scores.dtype))
         pairs, pair_scores, ties = rank_pairs(batch, scores)

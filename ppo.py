@@ -51,20 +51,23 @@ def kl_penalized_rewards(scores, kl, action_mask, kl_coef):
     return rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
 
 
-def compute_gae(rewards, values, action_mask, gamma, lam):
+def compute_gae(rewards, values, action_mask, gamma, lam, skip=None):
     """Generalised advantage estimation over the response tokens, right to left:
         delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1}
     with V and A beyond a sequence's last token = 0; returns = A + V; 0 on padding. A position outside the
-    mask ends a sequence, so a packed row (responses separated by masked prompt tokens) works too."""
+    mask ends a sequence, so a packed row (responses separated by masked prompt tokens) works too; except where
+    `skip` [B, T] is set (an agent's environment tokens inside an episode): those are stepped over, so t + 1 above
+    is the next action token, as if the feedback were not there (neither ending the episode nor decayed over)."""
     mask = action_mask.to(values.dtype)
+    skip = torch.zeros_like(action_mask, dtype=torch.bool) if skip is None else skip.bool()
     advantages = torch.zeros_like(values)
     next_value = torch.zeros_like(values[:, 0])
     next_advantage = torch.zeros_like(values[:, 0])
     for t in reversed(range(values.size(1))):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_advantage = (delta + gamma * lam * next_advantage) * mask[:, t]
-        next_value = values[:, t] * mask[:, t]
-        advantages[:, t] = next_advantage
+        advantages[:, t] = (delta + gamma * lam * next_advantage) * mask[:, t]
+        next_advantage = torch.where(skip[:, t], next_advantage, advantages[:, t])
+        next_value = torch.where(skip[:, t], next_value, values[:, t] * mask[:, t])
     return advantages, (advantages + values) * mask
 
 
@@ -102,11 +105,11 @@ def adaptive_kl_coef(kl_coef, kl, target, horizon, n_samples):
 
 
 # ------------------------------------------------------------------------------------------- rollout
-def score(records, responses, reward_fn, tokenizer, args):
+def score(records, samples, reward_fn, tokenizer, args):
     """Each completion's score [N] (--non_stop_penalty for one cut at --generate_max_len, then clipped to
     --reward_clip_range), the reward's extra logs, and which completions stopped [N]."""
-    scores, _, extra_logs = reward_fn(records, responses)
-    stopped = rollout.stopped(responses, tokenizer)
+    scores, _, extra_logs = reward_fn(records, samples)
+    stopped = rollout.stopped(samples, tokenizer)
     if args.non_stop_penalty is not None:
         scores = torch.where(stopped, scores, torch.tensor(args.non_stop_penalty))
     return scores.clamp(*args.reward_clip_range), extra_logs, stopped
@@ -185,8 +188,11 @@ def parse_args():
         # calibrated on 2 CPU cores from runs/sft_short and runs/rm (--normalize_reward): see README
         rollout_batch_size=64, train_batch_size=64, micro_train_batch_size=64, micro_rollout_batch_size=64,
         learning_rate=1e-5, critic_learning_rate=1e-4, lr_warmup_ratio=0.05, init_kl_coef=0.01, eval_steps=25))
-    if (args.remote_rm_url is None) == (args.reward_pretrain is None):
-        common.fail("give exactly one reward: --reward_pretrain or --remote_rm_url (URL or .py file)")
+    if args.agent_func_path and args.eval_reward_func == TOY_REWARD:
+        args.eval_reward_func = None  # the agent scores its eval episodes
+    if sum(x is not None for x in (args.remote_rm_url, args.reward_pretrain, args.agent_func_path)) != 1:
+        common.fail("give exactly one reward: --reward_pretrain, --remote_rm_url (URL or .py file) or "
+                    "--agent_func_path")
     if args.normalize_reward and not args.reward_pretrain:
         common.fail("--normalize_reward reads mean/std from the reward model's config: it needs --reward_pretrain")
     if args.dual_clip is not None and args.dual_clip <= 1:
@@ -243,9 +249,10 @@ def main():
         engine_logprobs = pad_sequence(batch.logprobs, batch_first=True).float() if batch.logprobs else None  # [N, R]
         metrics = {"generate_s": batch.generate_s, "wait_s": batch.wait_s}  # generating, waiting for it
         t = time.time()
-        scores, extra_logs, stopped = score(batch.records, batch.responses, reward_fn, tokenizer, args)  # [N]
+        scores, extra_logs, stopped = score(batch.records, batch, reward_fn, tokenizer, args)  # [N]
         pairs = [(r["ids"], response) for r, response in zip(batch.records, batch.responses)]  # N (prompt, response)
-        action_mask = pad_sequence([torch.ones(len(r), dtype=torch.bool) for r in batch.responses], batch_first=True)
+        action_mask = pad_sequence(batch.action_mask or [torch.ones(len(r), dtype=torch.bool) for r in batch.responses],
+                                   batch_first=True)  # 0 on an agent's environment tokens
         old_logprobs = rollout.rollout_logprobs(actor.module, pairs, args, pad_id, share_prompts=False)  # [N, R]
         values = rollout_values(critic.module, pairs, args, pad_id)  # [N, R]
         kl = torch.zeros(action_mask.shape)  # [N, R]
@@ -256,7 +263,8 @@ def main():
 
         # 2. per-token rewards (score at EOS, KL penalty on every token), GAE, whitened advantages
         rewards = kl_penalized_rewards(scores, kl, action_mask, kl_coef)  # [N, R]
-        advantages, returns = compute_gae(rewards, values, action_mask, args.gamma, args.lambd)
+        feedback = pad_sequence([~m for m in batch.action_mask], batch_first=True) if batch.action_mask else None
+        advantages, returns = compute_gae(rewards, values, action_mask, args.gamma, args.lambd, skip=feedback)
         advantages = common.masked_whiten(advantages, action_mask, across_ranks=True,
                                           std_norm=not args.no_advantage_std_norm)
         engine_stats = rollout.engine_gap(engine_logprobs, old_logprobs, action_mask, args)  # per response token
@@ -326,6 +334,8 @@ def main():
                    actor_lr=actor.get_lr()[0], critic_lr=critic.get_lr()[0])
         if args.async_steps:
             out["staleness_max"] = common.all_reduce_max(metrics["staleness"])[0]
+        if args.agent_func_path:  # the longest episode (turns' mean is in the logs)
+            out["turns_max"] = common.all_reduce_max([extra_logs["turns"].max().item()])[0]
         logger.log(step + 1, out)
         if args.kl_target is not None:
             kl_coef = adaptive_kl_coef(kl_coef, out["kl"], args.kl_target, args.kl_horizon, samples_per_step)

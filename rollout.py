@@ -8,7 +8,10 @@ Nothing here is an algorithm: advantages, losses and where a value is read live 
 module only defines things.
 """
 
+import asyncio
 import contextlib
+import functools
+import inspect
 import json
 import os
 import queue
@@ -16,7 +19,9 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+import traceback
+import types
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +78,10 @@ def add_rollout_args(parser, policy_gradient=True):
            "--top_p 1, else none)")
     a("--rollout_correction_bounds", type=float, nargs=2, default=None, metavar=("LO", "HI"),
       help="the weights' range (default: 0 2 for *-truncate, 0.5 5 for *-mask)")
+    a("--agent_func_path", default=None,
+      help="multi-turn episodes with an OpenRLHF agent file (AgentInstance/AgentExecutor), which gives the rewards")
+    a("--max_turns", type=int, default=None, help="with --agent_func_path: turns per episode (default: no limit)")
+    a("--agent_timeout", type=float, default=60.0, help="seconds one reset() or step() call may take")
     a("--eval_n_samples_per_prompt", type=int, default=1, help="eval completions per prompt (> 1: also pass@n)")
     a("--eval_temperature", type=float, default=0.0, help="eval sampling temperature (0: greedy)")
 
@@ -86,6 +95,10 @@ def check_rl_options(args):
         fail("--eval_n_samples_per_prompt > 1 needs --eval_temperature > 0 (greedy completions are identical)")
     if args.async_steps < 0:
         fail("--async_steps must be >= 0")
+    if args.max_turns is not None and args.max_turns < 1:
+        fail("--max_turns must be >= 1")
+    if args.agent_func_path:  # the file is read before any model loads: a broken one stops the run at once
+        load_agent(args.agent_func_path)
     if args.async_steps and not args.ray:
         fail("--async_steps needs --ray: the next batch is generated while this process trains, which needs "
              "engines of their own (Ray actors); an in-process engine (--vllm) or HF generate shares the "
@@ -204,10 +217,17 @@ def prompt_batches(records, args, cursor):
 class Samples:
     """What every engine's sample() returns: one completion per prompt (token ids through its EOS; one that hit
     --generate_max_len has none); from vLLM also each sampled token's log-prob as the engine sampled it (at the
-    temperature, over the top_p nucleus) and the version of the weights (the trainer step they are from)."""
+    temperature, over the top_p nucleus) and the version of the weights (the trainer step they are from).
+    Episodes (--agent_func_path) also have, per response, its action mask (1 on sampled tokens, 0 on the
+    environment's), whether it was cut short (not ended by the agent), the agent's (rewards, scores, logs), and the
+    prompts' tokens where an agent's reset() rewrote them."""
     responses: list
     logprobs: list = None
     version: int = None
+    action_mask: list = None
+    truncated: list = None
+    rewards: tuple = None
+    prompts: list = None
 
 
 @torch.no_grad()
@@ -230,13 +250,15 @@ def shared_prompt_cache(model, ids, mask, synced=False):
 
 
 @torch.no_grad()
-def generate_hf(model, prompts, args, tokenizer, temperature):
+def generate_hf(model, prompts, args, tokenizer, temperature, max_new_tokens=None):
     """HF generate: one completion per prompt (repeat a prompt for more), in chunks of
-    --micro_rollout_batch_size. A completion keeps its EOS; one that hit --generate_max_len has none."""
-    eos, out = tokenizer.eos_token_id, []
+    --micro_rollout_batch_size. A completion keeps its EOS; one that hit --generate_max_len (or its own entry of
+    `max_new_tokens`) has none."""
+    eos, out, m = tokenizer.eos_token_id, [], args.micro_rollout_batch_size
+    budgets = max_new_tokens or [args.generate_max_len] * len(prompts)
     synced = args.zero_stage == 3 and dist.get_world_size() > 1  # ZeRO-3: every rank runs every forward
-    for i in range(0, len(prompts), args.micro_rollout_batch_size):
-        batch = tokenizer.pad({"input_ids": [p.tolist() for p in prompts[i:i + args.micro_rollout_batch_size]]},
+    for i in range(0, len(prompts), m):
+        batch = tokenizer.pad({"input_ids": [torch.as_tensor(p).tolist() for p in prompts[i:i + m]]},
                               padding_side="left", return_attention_mask=True, return_tensors="pt")  # appends right
         ids, mask = batch["input_ids"], batch["attention_mask"]
         cache = shared_prompt_cache(model, ids, mask, synced)  # a group's prompt is prefilled once
@@ -244,32 +266,36 @@ def generate_hf(model, prompts, args, tokenizer, temperature):
             else dict(do_sample=False)
         with common.sampling_as_asked(model):  # nothing from the checkpoint's generation_config.json
             seqs = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                                  past_key_values=cache, max_new_tokens=args.generate_max_len,
+                                  past_key_values=cache, max_new_tokens=max(budgets[i:i + m]),
                                   pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, synced_gpus=synced,
                                   use_cache=True, **sampling)
-        for row in seqs[:, ids.size(1):].cpu():
+        for row, budget in zip(seqs[:, ids.size(1):].cpu(), budgets[i:i + m]):
+            row = row[:budget]  # a sample's first `budget` tokens: as if generated with that limit
             stop = (row == eos).nonzero()
             out.append(row[:stop[0, 0] + 1] if len(stop) else row)  # after EOS come pads
     return out
 
 
-def vllm_sampling(args, eos_id, temperature):
+def vllm_sampling(args, eos_id, temperature, max_new_tokens=None):
     """SamplingParams' fields for a rollout: the same completions generate_hf would sample, with log-probs.
     ignore_eos: stop at eos_id only, not also at the eos ids of the checkpoint's tokenizer and generation_config.json
-    (vLLM adds those), exactly as generate_hf stops."""
-    return dict(temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0, max_tokens=args.generate_max_len,
-                stop_token_ids=[eos_id], ignore_eos=True, logprobs=0)
+    (vLLM adds those), exactly as generate_hf stops. max_tokens: --generate_max_len, or one per prompt."""
+    return dict(temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0, stop_token_ids=[eos_id],
+                max_tokens=max_new_tokens or args.generate_max_len, ignore_eos=True, logprobs=0)
 
 
 def start_engine(args, model, tokenizer, version=0):
     """What samples the rollouts: --vllm, a vLLM engine in each trainer process; --ray, --vllm_num_engines engines
-    as Ray actors; else HF generate on the trainer's own model. Each has sample(prompts, temperature) -> Samples and
-    sync(model, version), and holds the policy's weights (of trainer step `version`) when this returns."""
+    as Ray actors; else HF generate on the trainer's own model. Each has sample(records, temperature,
+    max_new_tokens=None) -> Samples of the records' "ids", sync(model, version), and `in_step`: whether every rank
+    must make the same sample() calls (ZeRO-3 generate, a tensor-parallel engine). It holds the policy's weights (of
+    trainer step `version`) when this returns; with --agent_func_path it runs episodes (AgentEngine)."""
     if not (args.vllm or args.ray):
-        return HFEngine(model, args, tokenizer)
-    engine = RayEngines(args, model, tokenizer) if args.ray else VLLMEngine(args, model, tokenizer)
-    engine.sync(model, version)
-    return engine
+        engine = HFEngine(model, args, tokenizer)
+    else:
+        engine = RayEngines(args, model, tokenizer) if args.ray else VLLMEngine(args, model, tokenizer)
+        engine.sync(model, version)
+    return AgentEngine(engine, args, tokenizer) if getattr(args, "agent_func_path", None) else engine
 
 
 class HFEngine:
@@ -277,9 +303,11 @@ class HFEngine:
 
     def __init__(self, model, args, tokenizer):
         self.model, self.args, self.tokenizer = model, args, tokenizer
+        self.in_step = args.zero_stage == 3 and dist.get_world_size() > 1
 
-    def sample(self, prompts, temperature):
-        return Samples(generate_hf(self.model, prompts, self.args, self.tokenizer, temperature))
+    def sample(self, records, temperature, max_new_tokens=None):
+        return Samples(generate_hf(self.model, [r["ids"] for r in records], self.args, self.tokenizer, temperature,
+                                   max_new_tokens))
 
     def sync(self, model, version):
         pass
@@ -314,13 +342,18 @@ class VLLMHost:
         torch.set_rng_state(rng)
 
     def generate(self, prompts, **sampling):
-        """One completion per prompt (token ids), sampled with SamplingParams(**sampling); with
-        sampling["logprobs"] = 0 also the log-prob of each sampled token as sampled: (tokens, logprobs)."""
+        """One completion per prompt (token ids), sampled with SamplingParams(**sampling) (a list of max_tokens: one
+        each); with sampling["logprobs"] = 0 also the log-prob of each sampled token as sampled: (tokens, logprobs)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if not prompts:  # an episode turn where this engine's ranks have none left
+            return ([], []) if sampling.get("logprobs") is not None else []
         prompts = [TokensPrompt(prompt_token_ids=p.tolist() if torch.is_tensor(p) else list(p)) for p in prompts]
-        outputs = self.llm.generate(prompts, SamplingParams(detokenize=False, **sampling), use_tqdm=False)
+        limits = sampling.pop("max_tokens")
+        params = [SamplingParams(detokenize=False, max_tokens=n, **sampling)
+                  for n in (limits if isinstance(limits, list) else [limits] * len(prompts))]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
         tokens = [torch.tensor(o.outputs[0].token_ids, dtype=torch.long) for o in outputs]
         if sampling.get("logprobs") is None:
             return tokens
@@ -352,15 +385,20 @@ class VLLMEngine(VLLMHost):
         if tp > 1:  # every rank creates every group, as torch.distributed asks
             groups = [dist.new_group(list(range(r, r + tp)), backend="gloo") for r in range(0, world, tp)]
             self.tp_group = groups[dist.get_rank() // tp]
+        self.in_step = self.tp_group is not None
 
-    def sample(self, prompts, temperature):
+    def sample(self, records, temperature, max_new_tokens=None):
         """generate() on this rank's prompts, with the version of the weights it used (the last sync's)."""
-        sampling = vllm_sampling(self.args, self.eos, temperature)
+        prompts = [torch.as_tensor(r["ids"]).tolist() for r in records]
+        limits = max_new_tokens or [self.args.generate_max_len] * len(prompts)
         if self.tp_group is None:
-            return Samples(*self.generate(prompts, **sampling), self.version)
+            return Samples(*self.generate(prompts, **vllm_sampling(self.args, self.eos, temperature, limits)),
+                           self.version)
         shares = [None] * dist.get_world_size(self.tp_group)
-        dist.all_gather_object(shares, [p.tolist() for p in prompts], group=self.tp_group)
-        tokens, logprobs = self.generate([p for share in shares for p in share], **sampling)
+        dist.all_gather_object(shares, list(zip(prompts, limits)), group=self.tp_group)
+        everyone = [pair for share in shares for pair in share]
+        tokens, logprobs = self.generate([p for p, _ in everyone], **vllm_sampling(
+            self.args, self.eos, temperature, [n for _, n in everyone]))
         start = sum(map(len, shares[:dist.get_rank(self.tp_group)]))
         mine = slice(start, start + len(prompts))
         return Samples(tokens[mine], logprobs[mine], self.version)
@@ -481,7 +519,7 @@ class RayEngines:
 
     def __init__(self, args, model, tokenizer):
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        self.args, self.eos = args, tokenizer.eos_token_id
+        self.args, self.eos, self.in_step = args, tokenizer.eos_token_id, False
         names = [f"vllm_engine_{i}" for i in range(args.vllm_num_engines)]
         trainer_gpus = [None] * dist.get_world_size()
         dist.all_gather_object(trainer_gpus, gpu_uuid())
@@ -541,13 +579,14 @@ class RayEngines:
             return f"--ray: a vLLM engine failed to start: {getattr(e, 'cause', None) or e}"
         return None
 
-    def sample(self, prompts, temperature):
+    def sample(self, records, temperature, max_new_tokens=None):
         """generate() on this rank's engine (rank modulo engines), with the version of the weights it used."""
         import ray
 
         engine = self.engines[dist.get_rank() % len(self.engines)]
+        sampling = vllm_sampling(self.args, self.eos, temperature, max_new_tokens)
         (tokens, logprobs), version = ray.get(engine.generate.remote(
-            [p.tolist() for p in prompts], **vllm_sampling(self.args, self.eos, temperature)))
+            [torch.as_tensor(r["ids"]).tolist() for r in records], **sampling))
         return Samples(tokens, logprobs, version)
 
     def sync(self, model, version=0):
@@ -646,7 +685,9 @@ class Sampler:
     def sample(self):
         records = [r for r in next(self.stream) for _ in range(self.n)]
         t = time.time()
-        samples = self.engine.sample([r["ids"] for r in records], self.args.temperature)
+        samples = self.engine.sample(records, self.args.temperature)
+        if samples.prompts:  # an agent's reset() rewrote them: the episodes continue those tokens
+            records = [{**r, "ids": p} for r, p in zip(records, samples.prompts)]
         return Batch(**vars(samples), records=records, generate_s=time.time() - t, cursor=self.cursor[0])
 
     def draw(self):
@@ -661,6 +702,287 @@ class Sampler:
         """After a weight sync: the batch sampled from here on may use the new weights."""
         if self.producer:
             self.producer.release()
+
+
+# ---------------------------------------------------------------------------------------------- agents
+class AgentInstanceBase:
+    """OpenRLHF's agent base classes (openrlhf.utils.agent, 0.11), which an agent file imports; installed under that
+    name where OpenRLHF is not (openrlhf_agent_module). One instance per episode: reset(states) -> {"observation"},
+    step(states) -> {"rewards", "environment_feedback", "done", ...}; async or plain methods."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    async def reset(self, states, **kwargs):
+        return states
+
+    async def step(self, states, **kwargs):
+        raise NotImplementedError("AgentInstance.step is not implemented")
+
+
+class AgentExecutorBase:
+    async def execute(self, *args, **kwargs):
+        raise NotImplementedError("rollout.AgentEngine runs the episodes, not a custom execute()")
+
+
+class MultiTurnAgentExecutor(AgentExecutorBase):
+    def __init__(self, agent_instance_cls):
+        self.agent_instance_cls = agent_instance_cls
+
+
+def openrlhf_agent_module():
+    """Make `from openrlhf.utils.agent import ...` work: OpenRLHF's own module where it is installed, else the
+    stand-ins above under its name."""
+    import importlib.util
+    import types
+
+    if "openrlhf.utils.agent" in sys.modules or importlib.util.find_spec("openrlhf") is not None:
+        return
+    names = ("openrlhf", "openrlhf.utils", "openrlhf.utils.agent")
+    modules = [sys.modules.setdefault(name, types.ModuleType(name)) for name in names]
+    modules[0].utils, modules[1].agent = modules[1], modules[2]
+    for cls in (AgentInstanceBase, AgentExecutorBase, MultiTurnAgentExecutor):
+        setattr(modules[2], cls.__name__, cls)
+
+
+@functools.cache
+def load_agent(path):
+    """--agent_func_path: the AgentInstance class of an OpenRLHF agent file, AgentExecutor().agent_instance_cls, as
+    OpenRLHF takes it. The file is YOUR code: it runs in this process with this process's permissions."""
+    import importlib.util
+
+    path = Path(path)
+    if path.suffix != ".py" or not path.is_file():
+        fail(f"--agent_func_path {path}: not an existing .py file")
+    openrlhf_agent_module()
+    spec = importlib.util.spec_from_file_location(f"user_agent_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "AgentExecutor"):
+        fail(f"{path} defines no AgentExecutor: an OpenRLHF agent file defines AgentInstance(AgentInstanceBase) "
+             "and AgentExecutor(MultiTurnAgentExecutor), whose __init__ passes AgentInstance")
+    try:
+        cls = getattr(module.AgentExecutor(), "agent_instance_cls", None)
+    except Exception as e:
+        fail(f"{path}: AgentExecutor() raised {type(e).__name__}: {e}")
+    if not isinstance(cls, type):
+        fail(f"{path}: its AgentExecutor has no agent_instance_cls (a custom execute() is not run here): subclass "
+             "MultiTurnAgentExecutor and pass AgentInstance to its __init__")
+    return cls
+
+
+@dataclass
+class Episode:
+    """One sample's episode: its agent, the prompt's tokens, every token after them (actions as sampled, the
+    environment's feedback tokenized alone) with 1 on action tokens and the engine's log-probs (0 on feedback), the
+    text so far (observation_text), and what the steps returned."""
+    agent: object
+    prompt: list
+    text: str
+    label: object
+    tokens: list = field(default_factory=list)
+    mask: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    action_text: str = ""
+    reward: float = 0.0
+    score: float = 0.0
+    logs: dict = field(default_factory=dict)
+    turns: int = 0
+    env_s: float = 0.0
+    done: bool = False
+    truncated: bool = False
+
+
+class AgentEngine:
+    """--agent_func_path: each sample is a multi-turn episode with its own instance of the file's AgentInstance
+    (OpenRLHF's contract), on `engine`. Every turn the live episodes generate in one sample() call, each with what
+    is left of --generate_max_len after the prompt, then their step() calls run concurrently (--agent_timeout
+    each). A turn's input is the previous one + the action's tokens + the feedback's, never a re-rendered chat
+    template. An episode ends when the agent says done; at --max_turns or when the budget is spent it is
+    truncated, as is one whose feedback had to be cut. Its reward is the sum of its steps' rewards; scores and
+    extra_logs are the last step's. A broken agent (an exception, a timeout, a malformed result) stops the run
+    with one line; its traceback goes to <save_path>_agent_error.log."""
+
+    def __init__(self, engine, args, tokenizer):
+        self.engine, self.args, self.tokenizer, self.in_step = engine, args, tokenizer, engine.in_step
+        self.cls, self.warned = load_agent(args.agent_func_path), False
+
+    def sync(self, model, version):
+        self.engine.sync(model, version)
+
+    def sample(self, records, temperature):
+        return asyncio.run(self.episodes(records, temperature))  # one event loop: an episode's calls share it
+
+    async def episodes(self, records, temperature):
+        episodes = []
+        for r in records:
+            agent = self.guarded("__init__", self.cls)
+            episodes.append(Episode(agent, torch.as_tensor(r["ids"]).tolist(), r["text"], r["label"]))
+        await self.turn("reset", episodes, temperature)
+        versions, with_logprobs = [], False
+        while True:
+            live = [e for e in episodes if not e.done]
+            count = int(common.all_reduce_max([float(len(live))])[0]) if self.in_step else len(live)
+            if count == 0:
+                break
+            prompts = [{"ids": e.prompt + e.tokens} for e in live]
+            budgets = [self.args.generate_max_len - len(e.tokens) for e in live]
+            pad = count - len(live)  # in step: every rank generates as many (ZeRO-3), fillers of one token
+            samples = self.engine.sample(prompts + [{"ids": episodes[0].prompt}] * pad, temperature,
+                                         budgets + [1] * pad)
+            versions.append(samples.version)
+            with_logprobs = samples.logprobs is not None
+            for i, e in enumerate(live):
+                action = samples.responses[i].tolist()
+                e.tokens += action
+                e.mask += [1] * len(action)
+                e.logprobs += samples.logprobs[i].tolist() if samples.logprobs else [0.0] * len(action)
+                # as vLLM reports it: special tokens kept, the stop token's own text not
+                stopped = action[-1:] == [self.tokenizer.eos_token_id]
+                e.action_text = self.tokenizer.decode(action[:-1] if stopped else action)
+                e.truncated = not stopped  # cut at its budget: the episode ends truncated, whatever step() says
+            await self.turn("step", live, temperature)
+        logs = {"turns": [float(e.turns) for e in episodes], "truncated": [float(e.truncated) for e in episodes],
+                "env_s": [e.env_s for e in episodes]}
+        for name in sorted({k for e in episodes for k in e.logs}):
+            logs[name] = [e.logs.get(name, 0.0) for e in episodes]
+        versions = [v for v in versions if v is not None]
+        rewritten = any(e.prompt != torch.as_tensor(r["ids"]).tolist() for e, r in zip(episodes, records))
+        return Samples([torch.tensor(e.tokens, dtype=torch.long) for e in episodes],
+                       [torch.tensor(e.logprobs, dtype=torch.float64) for e in episodes] if with_logprobs else None,
+                       min(versions) if versions else None,  # the oldest weights a turn used
+                       action_mask=[torch.tensor(e.mask, dtype=torch.bool) for e in episodes],
+                       prompts=[torch.tensor(e.prompt, dtype=torch.long) for e in episodes] if rewritten else None,
+                       truncated=[e.truncated for e in episodes],
+                       rewards=(torch.tensor([e.reward for e in episodes]), torch.tensor([e.score for e in episodes]),
+                                {k: torch.tensor(v, dtype=torch.float32) for k, v in logs.items()}))
+
+    async def turn(self, method, episodes, temperature):
+        """reset() or step() of every episode at once, each bounded by --agent_timeout; the results applied."""
+        states = [{"observation": e.text, "label": e.label} if method == "reset" else
+                  {"observation_text": e.text, "action_text": e.action_text, "label": e.label,
+                   "sampling_params": types.SimpleNamespace(temperature=temperature, top_p=self.args.top_p,
+                                                            max_tokens=self.args.generate_max_len - len(e.tokens))}
+                  for e in episodes]
+        sent = [dict(vars(s["sampling_params"])) if method == "step" else None for s in states]
+        results = await asyncio.gather(*[self.call(e, method, s) for e, s in zip(episodes, states)])
+        for e, (result, failure), before in zip(episodes, results, sent):
+            if failure:
+                self.broken(method, *failure)
+            self.reset(e, result) if method == "reset" else self.step(e, result, before, temperature)
+
+    async def call(self, episode, method, states):
+        """The agent's method on states (async, or plain in a thread of its own), timed -> (result, None), or
+        (None, (what went wrong, the exception))."""
+        fn = getattr(episode.agent, method, None)
+        if fn is None:  # an agent without reset(): the prompt is the observation
+            return states, None
+        t = time.time()
+        try:
+            result = await asyncio.wait_for(fn(states) if inspect.iscoroutinefunction(fn) else in_thread(fn, states),
+                                            self.args.agent_timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            return None, (f"gave no answer within --agent_timeout {self.args.agent_timeout:g} s", None)
+        except Exception as e:
+            return None, (f"raised {type(e).__name__}: {e}", e)
+        episode.env_s += time.time() - t
+        return result, None
+
+    def reset(self, e, result):
+        observation = result.get("observation") if isinstance(result, dict) else None
+        if not isinstance(observation, str):
+            self.broken("reset", f"returned {str(result)[:80]!r}; expected a dict with an 'observation' string")
+        if observation != e.text:  # a rewritten prompt is tokenized on its own, as OpenRLHF does
+            e.prompt, e.text = self.tokenizer(observation, add_special_tokens=False)["input_ids"], observation
+
+    def step(self, e, result, sent, temperature):
+        if not isinstance(result, dict) or any(k not in result for k in ("rewards", "environment_feedback", "done")):
+            missing = [k for k in ("rewards", "environment_feedback", "done") if not isinstance(result, dict) or
+                       k not in result]
+            self.broken("step", f"returned a result without {', '.join(map(repr, missing))}")
+        feedback = result["environment_feedback"]
+        if not isinstance(feedback, str):
+            self.broken("step", f"environment_feedback must be a string, got {type(feedback).__name__}")
+        e.reward += self.number(result["rewards"], "rewards")
+        e.score = self.number(result["scores"], "scores") if result.get("scores") is not None else e.reward
+        e.logs = {k: float(v) for k, v in (result.get("extra_logs") or {}).items()
+                  if isinstance(v, (int, float)) or torch.is_tensor(v) and v.numel() == 1}
+        self.check_sampling(result.get("sampling_params"), sent, temperature)
+        ids = self.tokenizer(feedback, add_special_tokens=False)["input_ids"]
+        room = self.args.generate_max_len - len(e.tokens)
+        e.truncated |= len(ids) > room  # feedback that does not fit is cut, and the episode ends there
+        ids = ids[:room]
+        e.tokens += ids
+        e.mask += [0] * len(ids)
+        e.logprobs += [0.0] * len(ids)
+        e.text += e.action_text + feedback
+        e.turns += 1
+        out_of_room = len(e.tokens) >= self.args.generate_max_len or e.turns == self.args.max_turns
+        e.truncated |= out_of_room and not result["done"]
+        e.done = bool(result["done"]) or e.truncated or out_of_room
+
+    def number(self, value, key):
+        """A step's reward or score: one finite number (a float, or a tensor of one element)."""
+        try:
+            x = torch.as_tensor(value, dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError):
+            x = None
+        if x is None or x.numel() != 1 or not torch.isfinite(x).all():
+            self.broken("step", f"{key} must be one finite number, got {str(value)[:80]!r}")
+        return x.item()
+
+    def check_sampling(self, params, sent, temperature):
+        """A step may return sampling_params: a new temperature is refused (the log-probs assume one), any other
+        change is ignored, with one warning."""
+        if params is None:
+            return
+        got = params if isinstance(params, dict) else {k: getattr(params, k) for k in sent if hasattr(params, k)}
+        if got.get("temperature", temperature) != temperature:
+            self.broken("step", f"returned sampling_params with temperature {got['temperature']}; the run samples "
+                                f"at {temperature} (its log-probs assume that one)")
+        if any(got.get(k, v) != v for k, v in sent.items()) and not self.warned:
+            self.warned = True
+            console.print(f"warning: {self.args.agent_func_path}: sampling_params returned by step() are ignored "
+                          "(the run's sampling flags hold)", markup=False)
+
+    def guarded(self, method, fn):
+        """fn(), or one line naming `method` if it raises."""
+        try:
+            return fn()
+        except Exception as e:
+            self.broken(method, f"raised {type(e).__name__}: {e}", e)
+
+    def broken(self, method, problem, error=None):
+        """Stop with one line naming the file, the method and the problem; the traceback goes to a file."""
+        where = ""
+        if error is not None:
+            log = Path(f"{self.args.save_path.rstrip('/')}_agent_error.log")
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text("".join(traceback.format_exception(error)))
+            where = f" (traceback in {log})"
+        fail(f"{self.args.agent_func_path}: AgentInstance.{method} {problem}{where}")
+
+
+def in_thread(fn, states):
+    """fn(states) in a daemon thread, as an awaitable: a plain step() that never returns times out, and cannot hold up
+    the exit as a thread pool's worker would."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(method, value):
+        if not future.done():
+            getattr(future, method)(value)
+
+    def run():
+        try:
+            outcome = ("set_result", fn(states))
+        except Exception as e:
+            outcome = ("set_exception", e)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
 
 
 # -------------------------------------------------------------------------------------------- rewards
@@ -799,26 +1121,30 @@ def args_client(args):
 
 
 def reward_fn(args, tokenizer, cfg, client, offload=False):
-    """The training reward, f(records, responses) -> (rewards [N], scores [N], extra logs {name: [N]}): `client`
-    on text, or --reward_pretrain's score at EOS ((s - mean) / std, the RM config's, with --normalize_reward),
-    loaded frozen here (with `offload`, waiting on the CPU between uses)."""
+    """The training reward, f(records, samples) -> (rewards [N], scores [N], extra logs {name: [N]}): `client` on
+    text, or --reward_pretrain's score at EOS ((s - mean) / std, the RM config's, with --normalize_reward), loaded
+    frozen here (with `offload`, waiting on the CPU between uses), or the agent's, which the episodes carry."""
+    if getattr(args, "agent_func_path", None):
+        return lambda records, samples: samples.rewards
     if client:
-        return lambda records, responses: client_rewards(client, records, responses, tokenizer)
+        return lambda records, samples: client_rewards(client, records, samples.responses, tokenizer)
     rm = common.load_frozen(args.reward_pretrain, args, tokenizer, cfg, offload,
                             model_class=AutoModelForSequenceClassification, num_labels=1)
     normalize = getattr(args, "normalize_reward", False)
     mean, std = (getattr(rm.config, "mean", 0.0), getattr(rm.config, "std", 1.0)) if normalize else (0.0, 1.0)
 
-    def score(records, responses):
+    def score(records, samples):
         with common.on_accelerator(rm, offload and args.zero_stage != 3) as model:
-            scores = (rm_scores(model, [r["ids"] for r in records], responses, tokenizer, args) - mean) / std
+            scores = (rm_scores(model, [r["ids"] for r in records], samples.responses, tokenizer, args) - mean) / std
         return scores, scores, {}
     return score
 
 
-def stopped(responses, tokenizer):
-    """Which completions ended with EOS (not cut at --generate_max_len) [N]."""
-    return torch.tensor([len(r) > 0 and r[-1].item() == tokenizer.eos_token_id for r in responses])
+def stopped(samples, tokenizer):
+    """Which completions ended with EOS (not cut at --generate_max_len), or episodes ended by their agent [N]."""
+    if samples.truncated is not None:
+        return ~torch.tensor(samples.truncated, dtype=torch.bool)
+    return torch.tensor([len(r) > 0 and r[-1].item() == tokenizer.eos_token_id for r in samples.responses])
 
 
 # ------------------------------------------------------------------------------------------- log-probs
@@ -871,12 +1197,13 @@ def engine_gap(engine_logprobs, old_logprobs, action_mask, args):
 
 # ---------------------------------------------------------------------------------------------- eval
 def eval_rewards(reward_fn, eval_fn, tokenizer):
-    """evaluate's per_sample for a trained reward: its mean, and with eval_fn (--eval_reward_func: a rule, e.g. the
-    toy task's correctness) that reward as rule_reward with its extra logs (the toy's accuracy)."""
-    def per_sample(records, responses):
-        metrics = {"reward": reward_fn(records, responses)[0]}
+    """evaluate's per_sample for a trained reward: its mean and extra logs, and with eval_fn (--eval_reward_func: a
+    rule, e.g. the toy task's correctness) that reward as rule_reward with its extra logs (the toy's accuracy)."""
+    def per_sample(records, samples):
+        rewards, _, logs = reward_fn(records, samples)
+        metrics = {"reward": rewards, **logs}
         if eval_fn:
-            rule_rewards, _, logs = client_rewards(eval_fn, records, responses, tokenizer)
+            rule_rewards, _, logs = client_rewards(eval_fn, records, samples.responses, tokenizer)
             metrics.update(rule_reward=rule_rewards, **logs)
         return metrics
     return per_sample
@@ -885,14 +1212,15 @@ def eval_rewards(reward_fn, eval_fn, tokenizer):
 @torch.no_grad()
 def evaluate(eval_records, engine, per_sample, args, pass_key="reward"):
     """--eval_n_samples_per_prompt completions of each eval prompt at --eval_temperature (default: one, greedy),
-    split over ranks; per_sample(records, responses) -> {name: [N]} (rewards, accuracy, ...): the mean of each
-    over all completions, and with n > 1 pass@n, the mean over prompts of the best of their n `pass_key`."""
+    split over ranks (episodes with --agent_func_path); per_sample(records, samples) -> {name: [N]} (rewards,
+    accuracy, ...): the mean of each over all completions, and with n > 1 pass@n, the mean over prompts of the best of
+    their n `pass_key`."""
     n = args.eval_n_samples_per_prompt
     mine, real = common.rank_share(eval_records)  # fillers keep ZeRO-3 ranks in step
     records = [r for r in mine for _ in range(n)]
-    responses = engine.sample([r["ids"] for r in records], args.eval_temperature).responses
+    samples = engine.sample(records, args.eval_temperature)
     real = torch.tensor(real)
-    per_prompt = {k: v.reshape(-1, n)[real] for k, v in per_sample(records, responses).items()}
+    per_prompt = {k: v.reshape(-1, n)[real] for k, v in per_sample(records, samples).items()}
     if n > 1:  # a mean over prompts, not completions: all_reduce_means counts each name's own values
         per_prompt[f"pass@{n}"] = per_prompt[pass_key].max(-1).values
     return common.all_reduce_means(per_prompt)

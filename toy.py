@@ -17,6 +17,9 @@ Layout of toy_world/:
     steps_{train,test}.jsonl    {"input": "07+45+08\n", "output": "07+45=52\n52+08=60"}  (running sums, step by step)
     prm_{train,test}.jsonl      {"input": "07+45+08\n07+45=52 ки\n25+08=33 ки", "label": ["+", "-"]}
     prompts_{train,test}.jsonl  {"input": "07+45=", "label": "52"}       (RL prompts; reward_func below scores them)
+    tool_{train,test}.jsonl     {"input": "07+x=", "label": "45"}        (the tool task's prompts: toy_agent.py knows x)
+    tool_sft_{train,test}.jsonl {"input": "07+x=", "output": "?"} or a guess ("31"), and
+                                {"input": "07+x=?</s>\n07+45=", "output": "52"}  (its first and second turns)
 """
 
 import json
@@ -30,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 TOY_DIR = Path(os.environ.get("TOY_WORLD_DIR", Path(__file__).resolve().parent / "toy_world"))
-VERSION = "3"  # bump when the generator changes, so stale worlds get rebuilt
+VERSION = "4"  # bump when the generator changes, so stale worlds get rebuilt
 PLACEHOLDER = "ки"  # step marker for PRM data (Math-Shepherd's), one token in the toy tokenizer
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # the tokenizer's special tokens, in vocabulary order
 N_TEST = 500  # held-out prompts; the other 9,500 of the 10,000 "ab+cd=" prompts are for training
@@ -150,7 +153,20 @@ def build_datasets(rng):
         problems = [running_sum_terms(rng) for _ in range(len(ps))]
         data[f"steps_{split}"] = [steps_example(terms) for terms in problems]
         data[f"prm_{split}"] = [prm_example(terms, rng) for terms in problems]
+    tool = random.Random(1)  # a stream of its own: the datasets above stay as they were
+    for split, ps in splits.items():
+        data[f"tool_{split}"] = [{"input": f"{a:02d}+x=", "label": f"{b:02d}"} for a, b in ps]
+        data[f"tool_sft_{split}"] = [r for a, b in ps for r in tool_sft_examples(a, b, tool)]
     return data
+
+
+def tool_sft_examples(a, b, rng, ask=0.3):
+    """The tool task's SFT data (toy_agent.py is the environment): "07+x=" hides its second operand. The first
+    action asks ("?") with probability `ask`, else guesses a sum; and what follows the environment's answer is the
+    sum. A policy trained on this asks sometimes and guesses mostly: RL is to find out that asking pays."""
+    first = "?" if rng.random() < ask else str(a + rng.randrange(100))
+    return [{"input": f"{a:02d}+x=", "output": first},
+            {"input": f"{a:02d}+x=?</s>\n{a:02d}+{b:02d}=", "output": str(a + b)}]
 
 
 def reward_func(queries, prompts, labels):

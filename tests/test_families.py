@@ -402,7 +402,7 @@ def vllm_greedy(policy, prompts):
     tok = AutoTokenizer.from_pretrained(policy)
     model = AutoModelForCausalLM.from_pretrained(policy).eval()
     engine = rollout.start_engine(args, model, tok)
-    out = engine.sample([torch.tensor(p) for p in json.loads(prompts)], 0.0).responses
+    out = engine.sample([{"ids": torch.tensor(p)} for p in json.loads(prompts)], 0.0).responses
     print(json.dumps([o.tolist() for o in out]))
 
 

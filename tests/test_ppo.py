@@ -50,6 +50,33 @@ def test_gae_packed_row_equals_separate_rows():
     assert torch.allclose(ret[0][mask], torch.cat([r[0] for _, r in separate]), atol=1e-12)
 
 
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 0.8)])
+def test_gae_steps_over_an_agents_feedback(gamma, lam):
+    """Multi-turn episodes: action tokens with the environment's feedback between them (and after the last), in
+    padded rows beside a packed-style row. GAE over the action tokens alone, as if the feedback were not there
+    (the naive loop on the actions only), scattered back; feedback and padding get 0. Without `skip` a feedback
+    gap would end the episode (the packed-row rule), which the last assertion shows differs."""
+    g = torch.Generator().manual_seed(2)
+    layouts = ["aaffaaaf", "aafffa..", "aaaaaaaa", "a.......", "aafa.aaf"]  # a action, f feedback, . padding
+    B, T = len(layouts), len(layouts[0])
+    rewards = torch.randn(B, T, generator=g, dtype=torch.float64)
+    values = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[c == "a" for c in row] for row in layouts])
+    skip = torch.tensor([[c == "f" for c in row] for row in layouts])
+    adv, ret = ppo.compute_gae(rewards, values, mask, gamma, lam, skip=skip)
+    # each row's episodes, by their action positions (the last row packs two, "aafa" and "aaf", apart)
+    episodes = [[[0, 1, 4, 5, 6]], [[0, 1, 5]], [list(range(8))], [[0]], [[0, 1, 3], [5, 6]]]
+    for b in range(B):
+        for actions in episodes[b]:
+            want_adv, want_ret = loop_gae(rewards[b, actions].tolist(), values[b, actions].tolist(), gamma, lam)
+            assert torch.allclose(adv[b, actions], torch.tensor(want_adv, dtype=torch.float64), atol=1e-12)
+            assert torch.allclose(ret[b, actions], torch.tensor(want_ret, dtype=torch.float64), atol=1e-12)
+        assert (adv[b][~mask[b]] == 0).all() and (ret[b][~mask[b]] == 0).all()
+    plain, _ = ppo.compute_gae(rewards, values, mask, gamma, lam)
+    assert not torch.allclose(plain[0, :2], adv[0, :2])  # ended at the gap, the first turn loses what follows
+    assert torch.equal(plain[2], adv[2])  # no feedback: the same numbers, bit for bit
+
+
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_kl_penalized_rewards_score_at_last_response_token(side):
     kl = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.5, 0.6, 0.7, 0.8]], dtype=torch.float64)

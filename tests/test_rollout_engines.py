@@ -137,7 +137,7 @@ def backend_parity(policy, eval_file, backend, lora, tp="1"):
     sync = lambda: engine.sync(model)  # noqa: E731
 
     def generate(temperature, with_logprobs=False):
-        samples = engine.sample(prompts, temperature)
+        samples = engine.sample([{"ids": p} for p in prompts], temperature)
         return (samples.responses, samples.logprobs) if with_logprobs else samples.responses
     sync()
 

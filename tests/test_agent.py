@@ -1,0 +1,336 @@
+"""Multi-turn agent rollouts (--agent_func_path, OpenRLHF's agent files): token in, token out, turn by turn; the
+action mask; what ends an episode; the rewards, scores and logs; broken agents stopped in one line; feedback tokens
+out of the loss and its gradient; end to end on HF generate and vLLM, the toy tool task, two ZeRO-3 ranks whose
+episodes end at different turns."""
+import argparse
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import common
+import grpo
+import rollout
+from conftest import ROOT, last_logged, results, run_script
+
+# An n-step environment written from OpenRLHF's contract (its examples/python/agent_func.py does the same): 1-3
+# steps, a random 0/1 reward at the end, feedback carrying a special token, the sampling params handed back as
+# they came, a tensor in extra_logs.
+RANDOM_STEPS = '''
+import random
+import torch
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+
+class AgentInstance(AgentInstanceBase):
+    def __init__(self, *args, **kwargs):
+        self.step_idx, self.max_steps = 0, random.randint(1, 3)
+
+    async def reset(self, states, **kwargs):
+        return {"observation": states["observation"]}
+
+    async def step(self, states, **kwargs):
+        done = self.step_idx >= self.max_steps
+        reward = torch.randint(0, 2, (1,)).float() if done else torch.tensor(0)
+        feedback = "\\n=ok</s>" if done else "\\n=again: "
+        self.step_idx += 1
+        return {"rewards": reward, "scores": reward, "environment_feedback": feedback, "done": done,
+                "sampling_params": states.get("sampling_params"), "extra_logs": {"dummy_scores": reward}}
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+'''
+
+
+def agent_file(tmp_path, body, name="agent.py"):
+    path = tmp_path / name
+    path.write_text(body)
+    rollout.load_agent.cache_clear()
+    return path
+
+
+def agent_args(path, tmp_path, **kw):
+    return argparse.Namespace(**{"agent_func_path": str(path), "generate_max_len": 24, "max_turns": None,
+                                 "agent_timeout": 5.0, "top_p": 1.0, "save_path": str(tmp_path / "run"), **kw})
+
+
+class ScriptedEngine:
+    """An engine that answers each prompt with the next action of a script (text, EOS written as </s>), cut at the
+    budget it is given; it records every call's prompts (token ids) and budgets."""
+    in_step = False
+
+    def __init__(self, tokenizer, actions):
+        self.tok, self.actions, self.calls = tokenizer, actions, []
+
+    def sample(self, records, temperature, max_new_tokens=None):
+        prompts = [torch.as_tensor(r["ids"]).tolist() for r in records]
+        self.calls.append((prompts, list(max_new_tokens)))
+        turn = len(self.calls) - 1
+        out = [torch.tensor(self.tok(self.actions[turn], add_special_tokens=False)["input_ids"][:n]) for n in
+               max_new_tokens]
+        return rollout.Samples(out, [torch.full((len(o),), -0.5, dtype=torch.float64) for o in out], version=7)
+
+
+def records_of(tokenizer, rows):
+    return [{"ids": torch.tensor(tokenizer(text)["input_ids"]), "text": text, "label": label} for text, label in rows]
+
+
+# ---------------------------------------------------------------------------------------- the episode loop
+def test_tool_episode_token_in_token_out(tokenizer, tmp_path):
+    """The toy tool task (toy_agent.py), scripted: ask, then answer. Turn 2's input is turn 1's input + the action's
+    tokens (its EOS kept) + the feedback tokenized alone; the trained sequence is exactly those tokens; the mask is 1
+    on the actions only; the engine's log-probs sit on the actions, 0 on feedback; the reward is the sum of the
+    steps', scores and extra_logs the last step's."""
+    engine = ScriptedEngine(tokenizer, ["?</s>", "52</s>"])
+    agent = rollout.AgentEngine(engine, agent_args(ROOT / "toy_agent.py", tmp_path), tokenizer)
+    samples = agent.sample(records_of(tokenizer, [("07+x=", "45")]), 1.0)
+    prompt = tokenizer("07+x=")["input_ids"]  # the prompt's own tokens, BOS included: reset() left it unchanged
+    ask, answer = tokenizer("?</s>", add_special_tokens=False)["input_ids"], tokenizer("52</s>")["input_ids"][1:]
+    feedback = tokenizer("\n07+45=", add_special_tokens=False)["input_ids"]
+    assert ask[-1] == answer[-1] == tokenizer.eos_token_id and prompt[0] == tokenizer.bos_token_id
+    assert engine.calls == [([prompt], [24]), ([prompt + ask + feedback], [24 - len(ask + feedback)])]
+    assert samples.responses[0].tolist() == ask + feedback + answer
+    assert samples.action_mask[0].tolist() == [1] * len(ask) + [0] * len(feedback) + [1] * len(answer)
+    assert samples.logprobs[0].tolist() == [-0.5] * len(ask) + [0.0] * len(feedback) + [-0.5] * len(answer)
+    rewards, scores, logs = samples.rewards
+    assert rewards.tolist() == [1.0] and scores.tolist() == [1.0] and samples.truncated == [False]
+    assert logs["turns"].tolist() == [2.0] and logs["asked"].tolist() == [1.0] and logs["accuracy"].tolist() == [1.0]
+    assert samples.version == 7 and samples.prompts is None
+
+
+def test_states_the_agent_sees(tokenizer, tmp_path):
+    """observation_text grows by action text + feedback; action_text is the action decoded with its special tokens
+    but not the stop token's own text (as vLLM reports it); label passes through; rewards add up."""
+    path = agent_file(tmp_path, '''
+import json, os
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+class AgentInstance(AgentInstanceBase):
+    def reset(self, states, **kwargs):  # plain (non-async) methods are accepted too
+        return {"observation": states["observation"]}
+    def step(self, states, **kwargs):
+        with open(os.environ["STATES"], "a") as f:
+            f.write(json.dumps({k: states[k] for k in ("observation_text", "action_text", "label")}) + "\\n")
+        n = states["observation_text"].count("|")
+        return {"rewards": 0.25, "environment_feedback": "|fb|", "done": n >= 4, "extra_logs": {"n": n}}
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+''')
+    import os
+    os.environ["STATES"] = str(tmp_path / "states.jsonl")
+    engine = ScriptedEngine(tokenizer, ["a<s>b</s>", "c</s>", "d"])  # the last is cut at its budget: no EOS
+    agent = rollout.AgentEngine(engine, agent_args(path, tmp_path), tokenizer)
+    samples = agent.sample(records_of(tokenizer, [("1+2=", {"x": 1})]), 1.0)
+    seen = [json.loads(line) for line in open(tmp_path / "states.jsonl")]
+    assert [s["action_text"] for s in seen] == ["a<s>b", "c", "d"]
+    assert [s["observation_text"] for s in seen] == ["1+2=", "1+2=a<s>b|fb|", "1+2=a<s>b|fb|c|fb|"]
+    assert all(s["label"] == {"x": 1} for s in seen)
+    rewards, scores, logs = samples.rewards
+    assert rewards.tolist() == [0.75] and scores.tolist() == [0.75]  # scores default to the reward so far
+    assert logs["n"].tolist() == [4.0] and logs["turns"].tolist() == [3.0]  # the last step's extra_logs
+
+
+def test_what_ends_an_episode(tokenizer, tmp_path):
+    """Feedback that overflows --generate_max_len is cut and the episode is truncated; so is one stopped by
+    --max_turns, or whose action ran out of budget; one the agent ends is not. Each turn gets what is left."""
+    never_done = agent_file(tmp_path, '''
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+class AgentInstance(AgentInstanceBase):
+    async def step(self, states, **kwargs):
+        return {"rewards": 1.0, "environment_feedback": "xxxxx", "done": False}
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+''')
+    recs = records_of(tokenizer, [("1+2=", None)])
+    # budget 10: action (2) + feedback (5), action (2) + feedback cut to 1
+    engine = ScriptedEngine(tokenizer, ["a</s>", "b</s>"])
+    s = rollout.AgentEngine(engine, agent_args(never_done, tmp_path, generate_max_len=10), tokenizer).sample(recs, 1.0)
+    assert [b for _, b in engine.calls] == [[10], [3]]
+    assert tokenizer.decode(s.responses[0]) == "a</s>xxxxxb</s>x" and s.truncated == [True]
+    assert s.rewards[0].tolist() == [2.0] and rollout.stopped(s, tokenizer).tolist() == [False]
+    engine = ScriptedEngine(tokenizer, ["a</s>", "b</s>", "c</s>"])
+    s = rollout.AgentEngine(engine, agent_args(never_done, tmp_path, max_turns=2), tokenizer).sample(recs, 1.0)
+    assert len(engine.calls) == 2 and s.truncated == [True] and s.rewards[2]["turns"].tolist() == [2.0]
+    toy = ROOT / "toy_agent.py"
+    s = rollout.AgentEngine(ScriptedEngine(tokenizer, ["1234567"]), agent_args(toy, tmp_path, generate_max_len=4),
+                            tokenizer).sample(records_of(tokenizer, [("07+x=", "45")]), 1.0)
+    assert s.responses[0].tolist() == tokenizer("1234", add_special_tokens=False)["input_ids"]
+    assert s.truncated == [True]  # step() said done, but the answer was cut
+    s = rollout.AgentEngine(ScriptedEngine(tokenizer, ["99</s>"]), agent_args(toy, tmp_path), tokenizer).sample(
+        records_of(tokenizer, [("07+x=", "45")]), 1.0)
+    assert s.truncated == [False] and s.rewards[0].tolist() == [0.0]
+
+
+def test_a_rewritten_observation_is_tokenized_alone(tokenizer, tmp_path):
+    path = agent_file(tmp_path, '''
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+class AgentInstance(AgentInstanceBase):
+    async def reset(self, states, **kwargs):
+        return {"observation": "Q:" + states["observation"]}
+    async def step(self, states, **kwargs):
+        return {"rewards": 0.0, "environment_feedback": "", "done": True}
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+''')
+    engine = ScriptedEngine(tokenizer, ["7</s>"])
+    s = rollout.AgentEngine(engine, agent_args(path, tmp_path), tokenizer).sample(
+        records_of(tokenizer, [("1+2=", None)]), 1.0)
+    rewritten = tokenizer("Q:1+2=", add_special_tokens=False)["input_ids"]  # no BOS: OpenRLHF's rule
+    assert engine.calls[0][0] == [rewritten] and s.prompts[0].tolist() == rewritten
+
+
+BROKEN_STEP = '''
+import asyncio, math, time
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+class AgentInstance(AgentInstanceBase):
+    {step}
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+'''
+
+
+@pytest.mark.parametrize("step, message", [
+    ("async def step(self, states):\n        return {'rewards': 1.0, 'done': True}",
+     "AgentInstance.step returned a result without 'environment_feedback'"),
+    ("async def step(self, states):\n        return {'rewards': math.nan, 'environment_feedback': '', 'done': True}",
+     "AgentInstance.step rewards must be one finite number, got 'nan'"),
+    ("async def step(self, states):\n        return {'rewards': [1.0, 2.0], 'environment_feedback': '', 'done': 1}",
+     "AgentInstance.step rewards must be one finite number"),
+    ("async def step(self, states):\n        raise KeyError('tool')",
+     "AgentInstance.step raised KeyError: 'tool' (traceback in "),
+    ("async def step(self, states):\n        await asyncio.sleep(30)",
+     "AgentInstance.step gave no answer within --agent_timeout 0.3 s"),
+    ("def step(self, states):\n        time.sleep(30)",
+     "AgentInstance.step gave no answer within --agent_timeout 0.3 s"),
+    ("def step(self, states):\n        states['sampling_params'].temperature = 0.5\n"
+     "        return {'rewards': 1.0, 'environment_feedback': '', 'done': True, "
+     "'sampling_params': states['sampling_params']}",
+     "AgentInstance.step returned sampling_params with temperature 0.5; the run samples at 1.0"),
+    ("def reset(self, states):\n        return 'text'", "AgentInstance.reset returned 'text'; expected a dict"),
+])
+def test_a_broken_agent_stops_the_run_in_one_line(tokenizer, tmp_path, step, message):
+    path = agent_file(tmp_path, BROKEN_STEP.format(step=step))
+    agent = rollout.AgentEngine(ScriptedEngine(tokenizer, ["1</s>"]), agent_args(path, tmp_path, agent_timeout=0.3),
+                                tokenizer)
+    with pytest.raises(SystemExit) as stop:
+        agent.sample(records_of(tokenizer, [("1+2=", None)] * 3), 1.0)
+    line = str(stop.value)
+    assert line.startswith(f"error: {path}: ") and message in line and "\n" not in line
+    if "traceback in" in line:  # the agent's own traceback is in the file, not on the console
+        assert "KeyError: 'tool'" in (tmp_path / "run_agent_error.log").read_text()
+
+
+def test_files_without_the_contract_are_refused(tmp_path):
+    for body, message in [("x = 1\n", "defines no AgentExecutor"),
+                          ("class AgentExecutor:\n    pass\n", "its AgentExecutor has no agent_instance_cls")]:
+        path = agent_file(tmp_path, body, name=f"bad{len(body)}.py")
+        with pytest.raises(SystemExit, match=f"{path}: {message}" if "its" in message else f"{path} {message}"):
+            rollout.load_agent(str(path))
+    with pytest.raises(SystemExit, match="not an existing .py file"):
+        rollout.load_agent(str(tmp_path / "missing.py"))
+
+
+def test_sampling_params_handed_back_changed_are_ignored_with_one_warning(tokenizer, tmp_path, capsys):
+    path = agent_file(tmp_path, BROKEN_STEP.format(step=(
+        "def step(self, states):\n        states['sampling_params'].max_tokens = 3\n"
+        "        return {'rewards': 1.0, 'environment_feedback': '', 'done': True, "
+        "'sampling_params': states['sampling_params']}")))
+    agent = rollout.AgentEngine(ScriptedEngine(tokenizer, ["1</s>"]), agent_args(path, tmp_path), tokenizer)
+    assert agent.sample(records_of(tokenizer, [("1+2=", None)] * 3), 1.0).rewards[0].tolist() == [1.0] * 3
+    assert capsys.readouterr().err.count("sampling_params returned by step() are ignored") == 1
+
+
+# ------------------------------------------------------------------------------------------------ the loss
+def test_feedback_tokens_are_out_of_the_loss_and_its_gradient(toy_world, tokenizer):
+    """A hand-built episode: GRPO's loss (token-mean, ratio 1 so its gradient is -A grad log pi) equals the naive
+    float64 sum over the action tokens alone, each log-prob from a plain forward of everything before it; so does
+    its gradient. Garbage at the feedback positions (advantages, old and engine log-probs) changes neither."""
+    def ids(text):
+        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+    prompt = torch.tensor(tokenizer("07+x=")["input_ids"])
+    tail = torch.cat([ids("?</s>"), ids("\n07+45="), ids("52</s>")])
+    mask = torch.tensor([1, 1] + [0] * 7 + [1, 1, 1], dtype=torch.bool)
+    model = AutoModelForCausalLM.from_pretrained(toy_world / "model").double()
+    adv = torch.tensor([0.7])
+
+    def loss_and_grad(advantages, old, engine):
+        model.zero_grad()
+        logprobs, _, _ = common.response_logprobs(model, [(prompt, tail)], 0, packing=False)
+        loss = grpo.policy_loss(logprobs, old if old is not None else logprobs.detach(), advantages, mask[None],
+                                rollout_logprobs=engine, rollout_correction=None)
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+    got, got_grad = loss_and_grad(adv[:, None].expand(1, len(tail)), None, None)
+    model.zero_grad()
+    seq, naive = torch.cat([prompt, tail]), 0.0
+    for t in range(len(tail)):
+        if mask[t]:
+            logp = torch.log_softmax(model(seq[None, :len(prompt) + t]).logits[0, -1], -1)[tail[t]]
+            naive = naive - adv[0] * torch.exp(logp - logp.detach())
+    naive = naive / mask.sum()
+    naive.backward()
+    assert got == pytest.approx(naive.item(), abs=1e-12)
+    for g, p in zip(got_grad, model.parameters()):  # Llama's RMSNorm runs in float32 even in a float64 model:
+        torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=1e-5)  # gradients summed in another order, ~1e-7
+    garbage = torch.where(mask, 0.0, 1e30)[None]
+    with torch.no_grad():
+        old, _, _ = common.response_logprobs(model, [(prompt, tail)], 0, packing=False)
+    advantages = torch.where(mask[None], adv[:, None], torch.tensor(-1e9))
+    again, again_grad = loss_and_grad(advantages, old + garbage, old + garbage)
+    assert again == pytest.approx(got, abs=1e-12)
+    for a, b in zip(again_grad, got_grad):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+EPISODES = ["--label_key", "label", "--prompt_max_len", 16, "--generate_max_len", 40, "--max_samples", 64,
+            "--rollout_batch_size", 16, "--n_samples_per_prompt", 4, "--train_batch_size", 32,
+            "--micro_train_batch_size", 16, "--logging_steps", 1]
+
+
+@pytest.fixture(scope="module")
+def tool_files(toy_world, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tool")
+    (root / "eval.jsonl").write_text("".join(open(toy_world / "tool_test.jsonl").readlines()[:32]))
+    return ["--dataset", toy_world / "tool_train.jsonl", "--eval_dataset", root / "eval.jsonl"]
+
+
+@pytest.mark.parametrize("flags", [["--packing_samples", "--lora_rank", 8, "--learning_rate", 1e-3],
+                                   ["--vllm"]], ids=["hf-packing-lora", "vllm"])
+def test_grpo_runs_openrlhfs_example_agent(policy, tool_files, tmp_path, flags):
+    """grpo.py with OpenRLHF's n-step example (our copy, from the contract), on HF generate and on vLLM: episodes of
+    1-4 turns, the logs (turns, truncated share, time in the environment, the agent's numeric extra_logs), eval
+    through the same agent."""
+    proc = run_script("grpo.py", "--agent_func_path", agent_file(tmp_path, RANDOM_STEPS), *EPISODES, *tool_files,
+                      "--pretrain", policy, *flags, "--save_path", tmp_path / "g")
+    log = proc.stdout + proc.stderr
+    res = results(tmp_path / "g")
+    assert res["steps"] == 4 and "eval_dummy_scores" in res and res["eval_turns"] >= 1
+    for key in ("truncated", "env_s", "dummy_scores"):
+        last_logged(log, key)
+    assert 1 <= last_logged(log, "turns") < last_logged(log, "turns_max") <= 4
+
+
+def test_ppo_tool_agent_over_two_zero3_ranks_ending_at_different_turns(policy, tool_files, tmp_path):
+    """ppo.py (GAE over the action tokens), two ZeRO-3 ranks (every generate is collective) whose episodes end at
+    different turns: rank 0's after one, rank 1's after three (the toy agent, made to reveal x only on the third
+    ask). The run finishes: the ranks keep their turns in step."""
+    slow = (ROOT / "toy_agent.py").read_text().replace(
+        'if action == "?" and not self.asked:',
+        'if action == "?" and not self.asked and int(os.environ["RANK"]) == 1 and self.turn < 2:\n'
+        '            self.turn += 1\n'
+        '            return {"rewards": 0.0, "environment_feedback": "\\n", "done": False}\n'
+        '        if action == "?" and not self.asked:').replace(
+        "self.asked = False", "self.asked, self.turn = False, 0").replace("import torch", "import os\nimport torch")
+    path = agent_file(tmp_path, slow, "slow_agent.py")
+    proc = run_script("ppo.py", "--agent_func_path", path, *EPISODES, *tool_files, "--pretrain", policy,
+                      "--zero_stage", 3, "--save_path", tmp_path / "p", nproc=2, timeout=900)
+    assert results(tmp_path / "p")["steps"] == 4
+    assert last_logged(proc.stdout + proc.stderr, "turns_max") >= 2

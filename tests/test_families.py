@@ -212,7 +212,9 @@ def test_agent_turns_are_token_in_token_out(family_dirs, family, tmp_path):
     tok, fam_args = load_tokenizer(path, family)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     model.resize_token_embeddings(len(tok))
-    model.register_forward_hook(lambda module, inputs, out: out.logits[..., tok.eos_token_id].add_(4.0))
+    def likelier_eos(module, inputs, out):  # in place; a hook that returns nothing leaves the output as it is
+        out.logits[..., tok.eos_token_id] += 4.0
+    model.register_forward_hook(likelier_eos)
     args = agent_args(agent_file(tmp_path, THREE_TURNS), tmp_path, generate_max_len=40, micro_rollout_batch_size=8,
                       zero_stage=0)
     texts = [common.format_prompt(f"{a}+{b}=", tok, fam_args) for a, b in [(12, 34), (7, 45), (99, 1), (3, 4)]]

@@ -896,9 +896,9 @@ class AgentEngine:
             e.prompt, e.text = self.tokenizer(observation, add_special_tokens=False)["input_ids"], observation
 
     def step(self, e, result, sent, temperature):
-        if not isinstance(result, dict) or any(k not in result for k in ("rewards", "environment_feedback", "done")):
-            missing = [k for k in ("rewards", "environment_feedback", "done") if not isinstance(result, dict) or
-                       k not in result]
+        missing = [k for k in ("rewards", "environment_feedback", "done") if not isinstance(result, dict) or
+                   k not in result]
+        if missing:
             self.broken("step", f"returned a result without {', '.join(map(repr, missing))}")
         feedback = result["environment_feedback"]
         if not isinstance(feedback, str):

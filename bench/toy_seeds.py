@@ -28,7 +28,10 @@ import toy  # noqa: E402
 
 STAGES = {"sft_short": "SFT short", "grpo": "GRPO", "ppo": "PPO", "dpo": "DPO", "dpo_online": "DPO online",
           "prm": "PRM", "grpo_tool": "GRPO tool"}  # --stages name -> demo.py's stage
-INPUTS = ["SFT", "SFT short", "Pairs", "Pairs held out", "RM policy", "SFT steps", "SFT tool"]  # demo.py's runs used
+# demo.py's runs each stage starts from or learns from, in demo.py's order (RM policy learns from SFT and the pairs)
+RM_POLICY = ["SFT", "SFT short", "Pairs", "Pairs held out", "RM policy"]
+INPUTS = {"sft_short": [], "grpo": ["SFT short"], "ppo": RM_POLICY, "dpo": ["SFT short", "Pairs"],
+          "dpo_online": RM_POLICY, "prm": ["SFT steps"], "grpo_tool": ["SFT short", "SFT tool"]}
 
 
 def run(cmd):
@@ -52,7 +55,7 @@ def main():
     os.chdir(ROOT)  # demo.py's commands name their inputs and outputs relative to the repository
     world = os.path.relpath(toy.ensure_toy_world())
     stages = {name: (cmd, out, key) for name, cmd, out, key, _ in demo.stages(world)}
-    for name in INPUTS:
+    for name in dict.fromkeys(n for stage in args.stages for n in INPUTS[stage]):
         cmd, out, _ = stages[name]
         if not Path(out, "config.json").exists() and not Path(out).is_file():
             print(f"making {out} as demo.py does: python {' '.join(cmd)}", flush=True)

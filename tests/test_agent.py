@@ -413,10 +413,12 @@ def tool_files(toy_world, tmp_path_factory):
     return ["--dataset", toy_world / "tool_train.jsonl", "--eval_dataset", root / "eval.jsonl"]
 
 
-@pytest.mark.parametrize("flags", [["--packing_samples", "--lora_rank", 8, "--learning_rate", 1e-3],
-                                   ["--vllm"]], ids=["hf-packing-lora", "vllm"])
+@pytest.mark.parametrize("flags", [["--packing_samples", "--lora_rank", 8, "--learning_rate", 1e-3], ["--vllm"],
+                                   ["--ray", "--async_steps", 1, "--lora_rank", 8, "--learning_rate", 1e-3]],
+                         ids=["hf-packing-lora", "vllm", "ray-async-lora"])
 def test_grpo_runs_openrlhfs_example_agent(policy, tool_files, tmp_path, flags):
-    """grpo.py with OpenRLHF's n-step example (our copy, from the contract), on HF generate and on vLLM: episodes of
+    """grpo.py with OpenRLHF's n-step example (our copy, from the contract), on HF generate, on vLLM, and on a Ray
+    engine sampling the next episodes while the trainer updates (LoRA merged into what the engine gets): episodes of
     1-4 turns, the logs (turns, truncated share, time in the environment, the agent's numeric extra_logs), eval
     through the same agent."""
     proc = run_script("grpo.py", "--agent_func_path", agent_file(tmp_path, RANDOM_STEPS), *EPISODES, *tool_files,
@@ -427,6 +429,8 @@ def test_grpo_runs_openrlhfs_example_agent(policy, tool_files, tmp_path, flags):
     for key in ("truncated", "env_s", "dummy_scores"):
         last_logged(log, key)
     assert 1 <= last_logged(log, "turns") < last_logged(log, "turns_max") <= 4
+    if "--async_steps" in flags:  # the episodes of a step were sampled on weights at most one update old
+        assert last_logged(log, "staleness_max") in (0, 1) and "staleness_max=1" in log
 
 
 def test_ppo_over_two_zero3_ranks_whose_episodes_end_at_different_turns(policy, tool_files, tmp_path):

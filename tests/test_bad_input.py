@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from conftest import ROOT, run_script
+from conftest import ROOT, run_main, run_script
 
 
 def one_line_error(proc):
@@ -21,7 +21,7 @@ def test_missing_key_names_file_line_and_key(toy_world, tmp_path, script):
     bad = {k: v for k, v in good.items() if k not in ("output", "rejected")}
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join([json.dumps(good), "", json.dumps(bad), json.dumps(good)]) + "\n")  # a blank line 2
-    line = one_line_error(run_script(script, "--dataset", data, cwd=tmp_path, check=False))
+    line = one_line_error(run_main(script, "--dataset", data, cwd=tmp_path, check=False))
     key = "output" if script == "sft.py" else "rejected"
     assert str(data) in line and "line 3" in line and repr(key) in line
 
@@ -30,7 +30,7 @@ def test_sft_on_conversations_names_multiturn(toy_world, tmp_path):
     conv = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]
     data = tmp_path / "chats.jsonl"
     data.write_text(json.dumps({"messages": conv}) + "\n")
-    line = one_line_error(run_script("sft.py", "--dataset", data, cwd=tmp_path, check=False))
+    line = one_line_error(run_main("sft.py", "--dataset", data, cwd=tmp_path, check=False))
     assert f"{data}: line 1" in line and "missing key 'input'" in line
     assert "--multiturn --apply_chat_template --input_key" in line
 
@@ -44,39 +44,39 @@ def test_rm_refuses_a_conversation_that_repeats_the_prompt(toy_world, tmp_path):
     data = tmp_path / "uf.jsonl"
     data.write_text(json.dumps(row) + "\n")
     flags = ["--dataset", data, "--input_key", "prompt", "--train_batch_size", 1, "--micro_train_batch_size", 1]
-    line = one_line_error(run_script("rm.py", *flags, "--apply_chat_template", cwd=tmp_path, check=False))
+    line = one_line_error(run_main("rm.py", *flags, "--apply_chat_template", cwd=tmp_path, check=False))
     assert f"{data}: line 1" in line and "repeats the prompt" in line and "--input_key ''" in line
-    line = one_line_error(run_script("rm.py", *flags, cwd=tmp_path, check=False))
+    line = one_line_error(run_main("rm.py", *flags, cwd=tmp_path, check=False))
     assert f"{data}: line 1" in line and "chat messages need --apply_chat_template" in line
 
 
 def test_malformed_jsonl_line_is_named(toy_world, tmp_path):
     data = tmp_path / "broken.jsonl"
     data.write_text('{"input": "1+2=", "output": "3"}\n\n{"input": "2+2=", "output": 4\n')
-    line = one_line_error(run_script("sft.py", "--dataset", data, cwd=tmp_path, check=False))
+    line = one_line_error(run_main("sft.py", "--dataset", data, cwd=tmp_path, check=False))
     assert str(data) in line and "line 3" in line and "not valid JSON" in line
 
 
 def test_missing_dataset_file(toy_world, tmp_path):
-    line = one_line_error(run_script("sft.py", "--dataset", tmp_path / "nope.jsonl", cwd=tmp_path, check=False))
+    line = one_line_error(run_main("sft.py", "--dataset", tmp_path / "nope.jsonl", cwd=tmp_path, check=False))
     assert "dataset file not found" in line and "nope.jsonl" in line
 
 
 def test_empty_dataset(toy_world, tmp_path):
     data = tmp_path / "empty.jsonl"
     data.write_text("")
-    line = one_line_error(run_script("rm.py", "--dataset", data, cwd=tmp_path, check=False))
+    line = one_line_error(run_main("rm.py", "--dataset", data, cwd=tmp_path, check=False))
     assert str(data) in line and "empty" in line
 
 
 @pytest.mark.parametrize("model", ["./no/such/model", "/no/such/model"])
 def test_nonexistent_model_path(toy_world, tmp_path, model):
-    line = one_line_error(run_script("sft.py", "--pretrain", model, cwd=tmp_path, check=False))
+    line = one_line_error(run_main("sft.py", "--pretrain", model, cwd=tmp_path, check=False))
     assert "model path not found" in line and model in line
 
 
 def test_unknown_hub_model_offline(toy_world, tmp_path):
-    line = one_line_error(run_script("rm.py", "--pretrain", "no-such-org/no-such-model", cwd=tmp_path, check=False))
+    line = one_line_error(run_main("rm.py", "--pretrain", "no-such-org/no-such-model", cwd=tmp_path, check=False))
     assert "no-such-org/no-such-model" in line
 
 
@@ -94,38 +94,38 @@ def test_prm_labels_that_do_not_match_the_steps(toy_world, tmp_path, record, mes
     good = {"input": "1+2\n1+2=3 ки\n3+4=7 ки", "label": ["+", "+"]}
     data = tmp_path / "prm.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in [good, good, record, good]) + "\n")
-    line = one_line_error(run_script("prm.py", "--dataset", data, cwd=tmp_path, check=False))
+    line = one_line_error(run_main("prm.py", "--dataset", data, cwd=tmp_path, check=False))
     assert f"{data}: line 3" in line and message in line
 
 
 def test_prm_reward_token_must_be_one_token(toy_world, tmp_path):
-    line = one_line_error(run_script("prm.py", "--reward_tokens", "good", "bad", cwd=tmp_path, check=False))
+    line = one_line_error(run_main("prm.py", "--reward_tokens", "good", "bad", cwd=tmp_path, check=False))
     assert "reward token 'good' is 4 tokens" in line
 
 
 def test_grpo_needs_exactly_one_reward(toy_world, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"input": "1+2=", "label": "3"}) + "\n")
-    line = one_line_error(run_script("grpo.py", "--dataset", data, cwd=tmp_path, check=False))
+    line = one_line_error(run_main("grpo.py", "--dataset", data, cwd=tmp_path, check=False))
     assert "exactly one reward" in line
 
 
 def test_grpo_missing_label_and_bad_reward_source(toy_world, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"input": "1+2=", "label": "3"}) + "\n" + json.dumps({"input": "2+2="}) + "\n")
-    line = one_line_error(run_script("grpo.py", "--dataset", data, "--label_key", "label", "--remote_rm_url",
-                                     toy_world.parent / "no_such_reward.py", cwd=tmp_path, check=False))
+    line = one_line_error(run_main("grpo.py", "--dataset", data, "--label_key", "label", "--remote_rm_url",
+                                   toy_world.parent / "no_such_reward.py", cwd=tmp_path, check=False))
     assert "neither an http(s) URL nor an existing .py file" in line  # checked before any data is read
-    line = one_line_error(run_script("grpo.py", "--dataset", data, "--label_key", "label", "--remote_rm_url",
-                                     "http://127.0.0.1:9/get_reward", cwd=tmp_path, check=False))
+    line = one_line_error(run_main("grpo.py", "--dataset", data, "--label_key", "label", "--remote_rm_url",
+                                   "http://127.0.0.1:9/get_reward", cwd=tmp_path, check=False))
     assert f"{data}: line 2" in line and "'label'" in line
 
 
 def test_grpo_reward_func_returning_the_wrong_count(toy_world, tmp_path):
     reward = tmp_path / "short.py"
     reward.write_text("def reward_func(queries, prompts, labels):\n    return [1.0]\n")
-    line = one_line_error(run_script("grpo.py", "--remote_rm_url", reward, "--max_samples", 32, cwd=tmp_path,
-                                     check=False))
+    line = one_line_error(run_main("grpo.py", "--remote_rm_url", reward, "--max_samples", 32, cwd=tmp_path,
+                                   check=False))
     assert f"reward_func in {reward}" in line and "1 values for" in line
 
 
@@ -151,5 +151,5 @@ def test_ppo_option_errors(toy_world, tmp_path, flags, message):
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"input": "1+2=", "label": "3"}) + "\n")
     flags = [str(ROOT / f) if f.endswith(".py") else f for f in flags]
-    line = one_line_error(run_script("ppo.py", "--dataset", data, *flags, cwd=tmp_path, check=False))
+    line = one_line_error(run_main("ppo.py", "--dataset", data, *flags, cwd=tmp_path, check=False))
     assert message in line

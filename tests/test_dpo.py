@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
 import dpo
-from conftest import results, run_script, script_args, stock_accuracy, weights
+from conftest import results, run_main, run_script, script_args, stock_accuracy, weights
 
 BETA = 0.3
 
@@ -248,7 +248,7 @@ def test_offline_zero3_two_processes_packing_lora_ipo(policy, pref_files, tmp_pa
                nproc=2)
     assert (tmp_path / "lora" / "adapter_model.safetensors").exists()
     merged = tmp_path / "merged"
-    run_script("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "lora", "--output_path", merged)
+    run_main("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "lora", "--output_path", merged)
     res = results(tmp_path / "lora")
     check_pair_eval(res, merged, policy, pref_files / "eval.jsonl", loss_type="ipo")
     assert res["eval_exact_match"] == stock_accuracy(merged, pref_files / "eval_prompts.jsonl")
@@ -269,7 +269,7 @@ def one_line_error(proc):
 def test_bad_pairs_name_the_line(toy_world, tmp_path, record, message):
     data = tmp_path / "pairs.jsonl"
     data.write_text(json.dumps({"input": "1+1=", "chosen": "2", "rejected": "3"}) + "\n" + json.dumps(record) + "\n")
-    line = one_line_error(run_script("dpo.py", "--dataset", data, "--save_path", tmp_path / "out", check=False))
+    line = one_line_error(run_main("dpo.py", "--dataset", data, "--save_path", tmp_path / "out", check=False))
     assert str(data) in line and message in line
 
 
@@ -280,5 +280,5 @@ def test_bad_pairs_name_the_line(toy_world, tmp_path, record, message):
     (["--lora_rank", 4, "--ref_offload"], "--ref_offload: with --lora_rank the reference is the policy's base"),
 ])
 def test_misuse_is_refused_in_one_line(toy_world, tmp_path, flags, message):
-    line = one_line_error(run_script("dpo.py", *flags, "--save_path", tmp_path / "out", check=False))
+    line = one_line_error(run_main("dpo.py", *flags, "--save_path", tmp_path / "out", check=False))
     assert message in line

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ROOT, results, run_script, stock_accuracy, stock_eval_reward, weights
+from conftest import ROOT, results, run_main, run_script, stock_accuracy, stock_eval_reward, weights
 from test_dpo import BETA, naive_logps, one_line_error
 
 RECORDER = """
@@ -153,5 +153,5 @@ def test_online_vllm_with_a_reward_function(policy, eval_file, tmp_path):
     (["--reward_pretrain", "rm", "--ipo", "--loss_type", "hinge"], "--ipo is --loss_type ipo: not with --loss_type hinge"),
 ])
 def test_misuse_is_refused_in_one_line(toy_world, tmp_path, flags, message):
-    line = one_line_error(run_script("online_dpo.py", *flags, "--save_path", tmp_path / "out", check=False))
+    line = one_line_error(run_main("online_dpo.py", *flags, "--save_path", tmp_path / "out", check=False))
     assert message in line

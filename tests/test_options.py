@@ -19,7 +19,7 @@ import common
 import dpo
 import grpo
 import sft
-from conftest import ROOT, results, run_script, script_args, stock_accuracy
+from conftest import ROOT, results, run_main, run_script, script_args, stock_accuracy
 from test_e2e import stock_rm_eval, stock_sft_eval
 
 SCRIPTS = ("sft.py", "rm.py", "prm.py", "ppo.py", "grpo.py", "dpo.py", "online_dpo.py")
@@ -65,8 +65,7 @@ def test_importing_the_scripts_only_defines_things():
 
 def test_help_lists_every_option_where_it_applies():
     for script in SCRIPTS:
-        out = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True,
-                             check=True).stdout
+        out = run_main(script, "--help").stdout
         listed = {word.rstrip(",") for word in out.split() if word.startswith("--")}
         for option in EVERYWHERE:
             assert option in listed, f"{script} --help lacks {option}"
@@ -119,7 +118,8 @@ def test_help_lists_every_option_where_it_applies():
 def test_option_refused_with_a_clear_error(toy_world, tmp_path, script, flags, message):
     if "CUDA" in message and torch.cuda.is_available():
         pytest.skip("the CPU-only refusal")
-    proc = run_script(script, *flags, "--save_path", tmp_path / "out", check=False)
+    run = run_script if {"--vllm", "--ray"} & set(flags) else run_main  # importing vllm would change this process
+    proc = run(script, *flags, "--save_path", tmp_path / "out", check=False)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
@@ -183,7 +183,7 @@ def test_lora_sft_trains_merges_and_follows_its_schedule(policy, toy_world, tmp_
 
     # merged: a full model the stock class loads, with the adapter model's logits (transformers loads the
     # adapter directory itself, base and adapter) and its eval loss
-    run_script("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "lora", "--output_path",
+    run_main("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "lora", "--output_path",
                tmp_path / "merged")
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     adapter = AutoModelForCausalLM.from_pretrained(tmp_path / "lora").eval()
@@ -199,10 +199,10 @@ def test_lora_reward_model_merges_into_a_stock_classifier(policy, toy_world, tmp
                "--train_batch_size", 32, "--max_epochs", 1, "--save_path", tmp_path / "rm")
     head = [k for k in load_file(tmp_path / "rm" / "adapter_model.safetensors") if "score" in k]
     assert len(head) == 1  # the whole score head is trained and saved beside the adapters
-    proc = run_script("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "rm", "--output_path",
+    proc = run_main("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "rm", "--output_path",
                       tmp_path / "bad", check=False)
     assert proc.returncode != 0 and "trained as a reward model: add --is_rm" in proc.stderr
-    run_script("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "rm", "--output_path",
+    run_main("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "rm", "--output_path",
                tmp_path / "merged", "--is_rm")
     # the stock classifier on the merged directory scores the eval pairs as rm.py's adapter model did
     res = results(tmp_path / "rm")
@@ -360,7 +360,7 @@ def test_grpo_lora_with_vllm(policy, eval_file, tmp_path):
                "--eval_dataset", eval_file, "--vllm", "--zero_stage", 3, "--enable_prefix_caching", "--lora_rank", 8,
                "--learning_rate", 1e-3, "--no_advantage_std_norm", "--entropy_loss_coef", 0.01,
                "--save_path", tmp_path / "g")
-    run_script("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "g", "--output_path", tmp_path / "m")
+    run_main("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "g", "--output_path", tmp_path / "m")
     res = results(tmp_path / "g")
     assert res["eval_accuracy"] == stock_accuracy(tmp_path / "m", eval_file)
     assert res["eval_accuracy_before"] == stock_accuracy(policy, eval_file)
@@ -382,7 +382,7 @@ def test_ppo_lora_actor_and_critic_with_pass_at_k(policy, eval_file, tmp_path):
         acc, best = res[f"eval_accuracy{when}"], res[f"eval_pass@4{when}"]
         assert 0 < acc <= best <= min(1.0, 4 * acc)
     assert len([k for k in load_file(tmp_path / "p_critic" / "adapter_model.safetensors") if "score" in k]) == 1
-    run_script("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "p_critic", "--output_path",
+    run_main("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "p_critic", "--output_path",
                tmp_path / "critic", "--is_rm")
     from transformers import AutoModelForSequenceClassification
     critic = AutoModelForSequenceClassification.from_pretrained(tmp_path / "critic")

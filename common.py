@@ -11,6 +11,8 @@ import argparse
 import contextlib
 import ctypes
 import functools
+import inspect
+import itertools
 import json
 import math
 import os
@@ -370,24 +372,100 @@ def use_turn_end_as_eos(tokenizer, path):
         tokenizer.eos_token = end
 
 
-_pieces = [None, None]  # the last position_ids packed_sdpa saw, and its pieces
+_pieces = [None, None]  # the last position_ids packed_sdpa saw, and its pieces (and varlen plan, once asked for)
 
 
 def packed_pieces(position_ids):
-    """A packed row's pieces: where each starts, its first position, its length. Every layer of a forward
-    gets the same position_ids tensor: computed once per forward, not once per layer (each is a host sync)."""
+    """A packed row's pieces: where each starts, its first position, its length, and which piece it branches off
+    (its own index for a sequence). Every layer of a forward gets the same position_ids tensor: computed once per
+    forward, not once per layer (each is a host sync)."""
     if _pieces[0] is not position_ids:
         pos = position_ids[0]
         cuts = torch.cat([pos.new_zeros(1), (pos[1:] != pos[:-1] + 1).nonzero().flatten() + 1])
         cuts, starts = torch.stack([cuts, pos[cuts]]).tolist()
-        _pieces[:] = position_ids, (cuts, starts, [e - s for s, e in zip(cuts, cuts[1:] + [len(pos)])])
+        lengths, bases = [e - s for s, e in zip(cuts, cuts[1:] + [len(pos)])], []
+        for i, (cut, p) in enumerate(zip(cuts, starts)):
+            base = i if p == 0 else bases[-1] if bases else None
+            if base is None:
+                raise ValueError(f"packed row: positions start at {p} at token {cut}, with no sequence before it")
+            if p > lengths[base]:
+                raise ValueError(f"packed row: positions jump to {p} at token {cut}, but the sequence before it "
+                                 f"starts with {lengths[base]} unbranched tokens")
+            bases.append(base)
+        _pieces[:] = position_ids, {"cuts": cuts, "starts": starts, "lengths": lengths, "bases": bases}
     return _pieces[1]
 
 
+def varlen_plan(position_ids):
+    """torch's varlen kernel's view of a packed row: cumulative query and key lengths, the longest of each, and
+    the key rows to gather (None when no piece branches): a branch's keys are its sequence's first p tokens, then
+    its own. Once per forward, as packed_pieces."""
+    pieces = packed_pieces(position_ids)
+    if "plan" not in pieces:
+        cuts, starts, lengths, bases = (pieces[k] for k in ("cuts", "starts", "lengths", "bases"))
+        keys = [p + n for p, n in zip(starts, lengths)]
+        gather = None
+        if any(starts):
+            gather = torch.tensor([j for c, p, n, b in zip(cuts, starts, lengths, bases)
+                                   for j in (*range(cuts[b], cuts[b] + p), *range(c, c + n))],
+                                  device=position_ids.device)
+        cu = [torch.tensor([0, *itertools.accumulate(x)], dtype=torch.int32, device=position_ids.device)
+              for x in (lengths, keys)]
+        pieces["plan"] = (cu[0], cu[1], max(lengths), max(keys), gather)
+    return pieces["plan"]
+
+
+def varlen_kernel(query, dropout, kwargs):
+    """torch's own FlashAttention-2 varlen kernel (torch.nn.attention.varlen, in the CUDA wheel: nothing to install)
+    where it applies: CUDA with compute capability >= 8.0, bf16/fp16, head_dim <= 256, no dropout, softcap or
+    attention sinks, a torch that takes window_size (2.11+). Else None, and packed_sdpa loops over the pieces."""
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and query.size(-1) <= 256 and not dropout \
+            and kwargs.get("softcap") is None and kwargs.get("s_aux") is None:
+        return torch_varlen(query.device.index)
+    return None
+
+
+@functools.cache
+def torch_varlen(device_index):
+    if torch.cuda.get_device_capability(device_index)[0] < 8:
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None
+    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None  # 2.10: is_causal
+
+
+def packed_varlen(kernel, query, key, value, position_ids, scaling, window):
+    """A packed row's attention in one call of a kernel with flash's varlen contract: [T, H, D] inputs, causal
+    aligned to the bottom right, window (left, right) keys around the diagonal. GQA through enable_gqa (torch 2.12+),
+    else by repeating the key/value heads. -> [1, T, H, D]."""
+    cu_q, cu_k, max_q, max_k, gather = varlen_plan(position_ids)
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [1, H, T, D] -> [T, H, D]
+    if gather is not None:
+        k, v = k[gather], v[gather]
+    extra = {}
+    if k.size(1) != q.size(1):
+        if takes_gqa(kernel):
+            extra["enable_gqa"] = True
+        else:
+            k, v = (x.repeat_interleave(q.size(1) // x.size(1), 1) for x in (k, v))
+    # transformers' sliding_window W: a query sees itself and the W - 1 keys before it
+    out = kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling,
+                 window_size=(-1, 0) if window is None else (window - 1, 0), **extra)
+    return out[None]
+
+
+@functools.cache
+def takes_gqa(kernel):
+    return "enable_gqa" in inspect.signature(kernel).parameters
+
+
 def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None, **kwargs):
-    """Attention for --packing_samples without flash-attn, one sdpa call per piece of a packed row. Plain sdpa
-    would attend over the whole row through a block-diagonal mask, spending most of its FLOPs on pairs of
-    tokens from different sequences.
+    """Attention for --packing_samples without flash-attn. On a GPU, one call per layer of torch's own varlen
+    flash kernel (varlen_kernel); elsewhere one sdpa call per piece of a packed row. Plain sdpa would attend over
+    the whole row through a block-diagonal mask, spending most of its FLOPs on pairs of tokens from different
+    sequences.
     - A sequence starts where position_ids restart at 0 and attends causally within itself.
     - A branch starts where they jump back to some p > 0: it continues the first p tokens of its sequence
       instead of the tokens just before it, so it attends to those p and causally to itself. grpo.py packs a
@@ -400,6 +478,10 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     window = kwargs.get("sliding_window")
+    pieces = packed_pieces(position_ids)  # checks the row
+    kernel = varlen_kernel(query, dropout, kwargs)
+    if kernel is not None:
+        return packed_varlen(kernel, query, key, value, position_ids, scaling, window), None
 
     def causal(q_len, k_len):
         """Query i sees keys up to k_len - q_len + i: causal, aligned to the bottom right (flash kernels on
@@ -410,23 +492,17 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
         j = torch.arange(k_len, device=query.device)[None]
         return (j <= i) & (j > i - window)
 
-    cuts, starts, lengths = packed_pieces(position_ids)
     sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, dropout_p=dropout, scale=scaling,
                              enable_gqa=key.size(1) != query.size(1))
-    outs, head = [], None
+    lengths = pieces["lengths"]
     # split, not slices: a slice's backward writes a zero tensor the size of the whole row, once per piece
-    for cut, p, q, k, v in zip(cuts, starts, query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2)):
+    keys, values, outs = key.split(lengths, 2), value.split(lengths, 2), []
+    for p, base, q, k, v in zip(pieces["starts"], pieces["bases"], query.split(lengths, 2), keys, values):
         if p == 0:
-            head = (k, v)
             outs.append(sdpa(q, k, v, is_causal=True) if window is None or q.size(2) <= window else
                         sdpa(q, k, v, attn_mask=causal(q.size(2), q.size(2))))
             continue
-        if head is None:
-            raise ValueError(f"packed row: positions start at {p} at token {cut}, with no sequence before it")
-        if p > head[0].size(2):
-            raise ValueError(f"packed row: positions jump to {p} at token {cut}, but the sequence before it "
-                             f"starts with {head[0].size(2)} unbranched tokens")
-        prefix_k, prefix_v = (x if p == x.size(2) else x[:, :, :p] for x in head)
+        prefix_k, prefix_v = (x[base] if p == x[base].size(2) else x[base][:, :, :p] for x in (keys, values))
         outs.append(sdpa(q, torch.cat([prefix_k, k], 2), torch.cat([prefix_v, v], 2),
                          attn_mask=causal(q.size(2), p + q.size(2))))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None

@@ -1,6 +1,7 @@
 """Packing and last-token scoring: packed, left-padded and right-padded layouts give what each
 sequence gives alone, and our reward equals stock AutoModelForSequenceClassification's."""
 import copy
+import functools
 
 import pytest
 import torch
@@ -122,6 +123,108 @@ def test_packed_sdpa_keeps_a_sliding_window(toy_world, sequences):
     a, b1, b2, c = sequences[3], sequences[0], sequences[5], sequences[4]
     assert_packed_row_equals_alone(model, packed_model, [(a, 0), (b1, 4), (b2, 12), (c, 0)],
                                    [a[:0], a[:4], a, c[:0]])
+
+
+def flash_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+    """FlashAttention's varlen contract, as torch.nn.attention.varlen.varlen_attn states it, in a naive loop:
+    [T, H, D] inputs; sequence i's queries q[cu_seq_q[i]:cu_seq_q[i + 1]] attend to its keys
+    k[cu_seq_k[i]:cu_seq_k[i + 1]]; query r (of q_len) may see key c (of k_len) when c - (r + k_len - q_len) lies in
+    [-left, right] of window_size (-1: unbounded), so (-1, 0) is causal aligned to the bottom right; with enable_gqa
+    each Hq / Hkv consecutive query heads share a key/value head, without it the head counts must be equal."""
+    assert q.dim() == k.dim() == v.dim() == 3 and q.dtype == k.dtype == v.dtype
+    assert enable_gqa or k.size(1) == q.size(1), "varlen_attn: Hq != Hkv without enable_gqa"
+    cu_q, cu_k = cu_seq_q.tolist(), cu_seq_k.tolist()
+    assert cu_q[0] == cu_k[0] == 0 and cu_q[-1] == len(q) and cu_k[-1] == len(k) and len(cu_q) == len(cu_k)
+    assert max_q == max(b - a for a, b in zip(cu_q, cu_q[1:])) and max_k == max(b - a for a, b in zip(cu_k, cu_k[1:]))
+    left, right = window_size
+    out = []
+    for i in range(len(cu_q) - 1):
+        qi, ki, vi = q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+        ki, vi = (x.repeat_interleave(q.size(1) // k.size(1), 1) for x in (ki, vi))
+        offset = torch.arange(len(ki))[None] - (torch.arange(len(qi))[:, None] + len(ki) - len(qi))
+        seen = ((offset >= -left) | (left < 0)) & ((offset <= right) | (right < 0))
+        scores = torch.einsum("qhd,khd->hqk", qi, ki) * (scale or q.size(-1) ** -0.5)
+        out.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), vi))
+    return torch.cat(out)
+
+
+def flash_varlen_211(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    """torch 2.11's varlen_attn: the same contract, without enable_gqa."""
+    return flash_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("kv_heads, kernel", [(None, flash_varlen), (2, flash_varlen), (2, flash_varlen_211)],
+                         ids=["mha", "gqa", "gqa-torch2.11"])
+def test_packed_sdpa_on_the_varlen_kernel(toy_world, sequences, monkeypatch, window, kv_heads, kernel):
+    """Where torch's varlen flash kernel applies (a CUDA GPU), packed_sdpa makes one call of it per layer. Here a
+    float64 stand-in with the kernel's contract (flash_varlen) takes its place, so the real plan (cumulative
+    lengths, the keys gathered for branches), window mapping, GQA handling and output layout run: sequences and
+    branches, with and without a sliding window, give the logits and gradients of each run alone by the eager
+    model, and those of the per-piece loop (packed_sdpa without the kernel)."""
+    model, packed_model = twin_models(toy_world, kv_heads, sliding_window=window)
+    model.double()
+    packed_model.double()
+    a, b1, b2, c, c1 = sequences[3], sequences[0], sequences[1], sequences[4], sequences[5]
+    pieces, prefixes = [(a, 0), (b1, 4), (b2, 12), (c, 0), (c1, 2)], [a[:0], a[:4], a, c[:0], c[:2]]
+    ids = torch.cat([t for t, _ in pieces])[None]
+    pos = torch.cat([torch.arange(p, p + len(t)) for t, p in pieces])[None]
+    loop = packed_model(input_ids=ids, position_ids=pos, use_cache=False).logits  # no kernel on a CPU: the loop
+    loop.square().mean().backward()
+    loop_grads = {n: p.grad.clone() for n, p in packed_model.named_parameters()}
+    packed_model.zero_grad()
+    calls = []
+
+    @functools.wraps(kernel)  # its signature too: whether it takes enable_gqa
+    def counted(*args, **kwargs):
+        calls.append(kwargs["window_size"])
+        return kernel(*args, **kwargs)
+    monkeypatch.setattr(common, "varlen_kernel", lambda query, dropout, kwargs: counted)
+    # eager attention takes its softmax in float32 even in a float64 model: float32's tolerances against it
+    assert_packed_row_equals_alone(model, packed_model, pieces, prefixes)
+    assert calls == [(-1, 0) if window is None else (window - 1, 0)] * model.config.num_hidden_layers
+    varlen = packed_model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    torch.testing.assert_close(varlen, loop, atol=1e-10, rtol=0)
+    packed_model.zero_grad()
+    varlen.square().mean().backward()
+    for n, p in packed_model.named_parameters():
+        torch.testing.assert_close(p.grad, loop_grads[n], atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen kernel runs on CUDA GPUs only")
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_packed_sdpa_varlen_kernel_on_cuda(toy_world, sequences, monkeypatch, window, kv_heads):
+    """The real kernel in bf16 (sequences, branches, GQA, a window) against the per-piece loop in bf16, both
+    measured against the float64 eager model: the kernel's error is no worse than the loop's, forward and backward.
+    This is where the window's off-by-one is settled."""
+    if torch.cuda.get_device_capability()[0] < 8 or common.torch_varlen(torch.cuda.current_device()) is None:
+        pytest.skip("torch's varlen kernel needs compute capability 8.0 and torch 2.11+")
+    model, packed_model = twin_models(toy_world, kv_heads, sliding_window=window)
+    reference = model.double().cuda()
+    a, b1, b2, c, c1 = (s.cuda() for s in (sequences[3], sequences[0], sequences[1], sequences[4], sequences[5]))
+    pieces, prefixes = [(a, 0), (b1, 4), (b2, 12), (c, 0), (c1, 2)], [a[:0], a[:4], a, c[:0], c[:2]]
+    ids = torch.cat([t for t, _ in pieces])[None]
+    pos = torch.cat([torch.arange(p, p + len(t), device="cuda") for t, p in pieces])[None]
+    expected = torch.cat([reference(input_ids=torch.cat([pre, t])[None]).logits[0, len(pre):]
+                          for (t, _), pre in zip(pieces, prefixes)])
+    expected.square().mean().backward()
+    want = {n: p.grad for n, p in reference.named_parameters()}
+    packed_model = packed_model.bfloat16().cuda()
+    errors, calls = {}, []
+    real = common.varlen_kernel
+    for name, kernel in (("loop", lambda *args: None),
+                         ("varlen", lambda *args: calls.append(real(*args)) or calls[-1])):
+        monkeypatch.setattr(common, "varlen_kernel", kernel)
+        packed_model.zero_grad()
+        logits = packed_model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+        logits.float().square().mean().backward()
+        grad = max(((p.grad.double() - want[n]).abs().max() / want[n].abs().max()).item()
+                   for n, p in packed_model.named_parameters())
+        errors[name] = ((logits.double() - expected).abs().max().item(), grad)
+    assert calls and None not in calls  # every layer took the kernel
+    for got, loop in zip(errors["varlen"], errors["loop"]):
+        assert got <= 2 * loop + 1e-3, errors
 
 
 @pytest.mark.parametrize("window", [None, 4])

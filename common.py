@@ -427,13 +427,16 @@ def varlen_kernel(query, dropout, kwargs):
 
 @functools.cache
 def torch_varlen(device_index):
-    if torch.cuda.get_device_capability(device_index)[0] < 8:
-        return None
+    return varlen_attn() if torch.cuda.get_device_capability(device_index)[0] >= 8 else None
+
+
+def varlen_attn():
+    """This torch's varlen_attn, if it takes window_size (2.11+; 2.10's had is_causal, older torch none)."""
     try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch < 2.10
+        from torch.nn.attention.varlen import varlen_attn as kernel
+    except ImportError:
         return None
-    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None  # 2.10: is_causal
+    return kernel if "window_size" in inspect.signature(kernel).parameters else None
 
 
 def packed_varlen(kernel, query, key, value, position_ids, scaling, window):
@@ -1128,6 +1131,8 @@ def write_results(path, results):
     """eval_results.json beside the saved model: the figures the demo table reads."""
     if is_rank0():
         results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        if torch.cuda.is_available():  # this process's tensors on its GPU (bench/gpu_check.py reports it)
+            results["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / "eval_results.json").write_text(json.dumps(results, indent=2) + "\n")
 

@@ -191,6 +191,23 @@ def test_packed_sdpa_on_the_varlen_kernel(toy_world, sequences, monkeypatch, win
         torch.testing.assert_close(p.grad, loop_grads[n], atol=1e-10, rtol=1e-8)
 
 
+def test_an_older_torchs_varlen_kernel_is_left_alone(monkeypatch):
+    """torch 2.10's varlen_attn took is_causal, not window_size; older ones had none: packed_sdpa then loops (no
+    crash). 2.11's, without enable_gqa, is taken (GQA by repeating heads, tested above); so is this torch's."""
+    import sys
+    import types
+
+    assert common.varlen_attn() is not None and common.takes_gqa(common.varlen_attn())  # torch 2.13
+    for signature, taken in (("q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, is_causal=False", False),
+                             ("q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)", True)):
+        module = types.ModuleType("torch.nn.attention.varlen")
+        exec(f"def varlen_attn({signature}): pass", module.__dict__)
+        monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", module)
+        assert (common.varlen_attn() is module.varlen_attn) == taken
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", None)  # not in this torch: ImportError
+    assert common.varlen_attn() is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen kernel runs on CUDA GPUs only")
 @pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("kv_heads", [None, 2])
@@ -198,7 +215,7 @@ def test_packed_sdpa_varlen_kernel_on_cuda(toy_world, sequences, monkeypatch, wi
     """The real kernel in bf16 (sequences, branches, GQA, a window) against the per-piece loop in bf16, both
     measured against the float64 eager model: the kernel's error is no worse than the loop's, forward and backward.
     This is where the window's off-by-one is settled."""
-    if torch.cuda.get_device_capability()[0] < 8 or common.torch_varlen(torch.cuda.current_device()) is None:
+    if common.torch_varlen(torch.cuda.current_device()) is None:
         pytest.skip("torch's varlen kernel needs compute capability 8.0 and torch 2.11+")
     model, packed_model = twin_models(toy_world, kv_heads, sliding_window=window)
     reference = model.double().cuda()

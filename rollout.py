@@ -745,19 +745,26 @@ def openrlhf_agent_module():
         setattr(modules[2], cls.__name__, cls)
 
 
-@functools.cache
-def load_agent(path):
-    """--agent_func_path: the AgentInstance class of an OpenRLHF agent file, AgentExecutor().agent_instance_cls, as
-    OpenRLHF takes it. The file is YOUR code: it runs in this process with this process's permissions."""
+def user_module(path, refusal):
+    """A Python file of YOUR code (a reward_func or an agent), imported: it runs in this process, with this process's
+    permissions, exactly like a script you start with python (errors in it show its own traceback)."""
     import importlib.util
 
     path = Path(path)
     if path.suffix != ".py" or not path.is_file():
-        fail(f"--agent_func_path {path}: not an existing .py file")
-    openrlhf_agent_module()
-    spec = importlib.util.spec_from_file_location(f"user_agent_{path.stem}", path)
+        fail(refusal)
+    spec = importlib.util.spec_from_file_location(f"user_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def load_agent(path):
+    """--agent_func_path: the AgentInstance class of an OpenRLHF agent file (user_module), as OpenRLHF takes it:
+    AgentExecutor().agent_instance_cls."""
+    openrlhf_agent_module()
+    module, path = user_module(path, f"--agent_func_path {path}: not an existing .py file"), Path(path)
     if not hasattr(module, "AgentExecutor"):
         fail(f"{path} defines no AgentExecutor: an OpenRLHF agent file defines AgentInstance(AgentInstanceBase) "
              "and AgentExecutor(MultiTurnAgentExecutor), whose __init__ passes AgentInstance")
@@ -1008,17 +1015,8 @@ def reward_client(target, batch_size=64, timeout=60.0, retries=3, backoff=1.0):
 
 
 def load_reward_func(path):
-    """`reward_func` from a Python file. The file is YOUR code: it runs in this process, with this
-    process's permissions, exactly like a script you start with python (so errors in it show its own
-    traceback). Signature and return value: see reward_client."""
-    import importlib.util
-
-    path = Path(path)
-    if path.suffix != ".py" or not path.is_file():
-        fail(f"--remote_rm_url {path}: neither an http(s) URL nor an existing .py file")
-    spec = importlib.util.spec_from_file_location(f"user_reward_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """`reward_func` from a Python file (user_module). Signature and return value: see reward_client."""
+    module = user_module(path, f"--remote_rm_url {path}: neither an http(s) URL nor an existing .py file")
     if not callable(getattr(module, "reward_func", None)):
         fail(f"{path} defines no function reward_func(queries, prompts, labels)")
     return module.reward_func

@@ -718,8 +718,6 @@ def load_records(source, split="train", required_keys=(), max_samples=None, with
 
 def read_records(source, split, required_keys, max_samples, hint=None):
     """load_records of one source -> [(record, its location)], the first max_samples, each checked."""
-    import datasets
-
     path = Path(source)
     if path.suffix in (".jsonl", ".json", ".parquet", ".csv") and not path.is_file():
         fail(f"dataset file not found: {source}")
@@ -741,6 +739,8 @@ def read_records(source, split, required_keys, max_samples, hint=None):
                         fail(f"{source}: line {i} is not valid JSON ({e.msg})")
                     where.append(f"{source}: line {i}")
     else:
+        import datasets  # not for JSON: its import alone takes most of a second
+
         try:
             if path.suffix in (".parquet", ".csv"):
                 ds = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train")

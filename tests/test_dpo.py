@@ -223,7 +223,7 @@ def test_offline_zero0_reports_what_stock_models_give_and_resumes_exactly(policy
     data = ["--pretrain", policy, "--dataset", pref_files / "train.jsonl", "--eval_dataset", pref_files / "eval.jsonl",
             "--micro_train_batch_size", 32, "--ckpt_path", tmp_path / "ckpt", "--ref_offload", "--label_smoothing",
             0.1, "--nll_loss_coef", 0.1]
-    run_script("dpo.py", *OFFLINE, *data, "--save_path", tmp_path / "a", "--save_steps", 2)
+    run_main("dpo.py", *OFFLINE, *data, "--save_path", tmp_path / "a", "--save_steps", 2)
     res = results(tmp_path / "a")
     assert res["steps"] == 4
     check_pair_eval(res, tmp_path / "a", policy, pref_files / "eval.jsonl", smoothing=0.1)
@@ -233,7 +233,7 @@ def test_offline_zero0_reports_what_stock_models_give_and_resumes_exactly(policy
 
     shutil.rmtree(tmp_path / "ckpt" / "global_step4")
     (tmp_path / "ckpt" / "latest").write_text("global_step2")
-    proc = run_script("dpo.py", *OFFLINE, *data, "--save_path", tmp_path / "b", "--load_checkpoint")
+    proc = run_main("dpo.py", *OFFLINE, *data, "--save_path", tmp_path / "b", "--load_checkpoint")
     assert "resumed from" in proc.stdout + proc.stderr
     a, b = weights(tmp_path / "a"), weights(tmp_path / "b")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import prm
-from conftest import ROOT, results, run_script
+from conftest import ROOT, results, run_main, run_script
 
 # 128 samples, global batch 32 (micro 16 x 2 accumulation on one process, 8 x 2 on two): 4 steps an epoch
 SMALL = ["--max_samples", 128, "--train_batch_size", 32, "--max_epochs", 1, "--logging_steps", 1]
@@ -87,7 +87,7 @@ def test_kill_after_save_then_resume_matches_uninterrupted_run(toy_world, tmp_pa
     # that was never interrupted: model, optimizer, schedule and data position must all come back.
     args = ["--max_samples", 320, "--train_batch_size", 16, "--micro_train_batch_size", 8, "--max_epochs", 2,
             "--eval_dataset", "", "--logging_steps", 1]
-    run_script("sft.py", *args, "--save_path", tmp_path / "full", cwd=tmp_path)
+    run_main("sft.py", *args, "--save_path", tmp_path / "full", cwd=tmp_path)
 
     ckpt = tmp_path / "run_checkpoints"
     cmd = [sys.executable, str(ROOT / "sft.py"), *map(str, args), "--save_path", str(tmp_path / "run"), "--save_steps", "1"]
@@ -102,8 +102,8 @@ def test_kill_after_save_then_resume_matches_uninterrupted_run(toy_world, tmp_pa
     saved = int((ckpt / "latest").read_text().strip()[len("global_step"):])
     assert 1 <= saved < 40
 
-    out = run_script("sft.py", *args, "--save_path", tmp_path / "run", "--save_steps", 1, "--load_checkpoint",
-                     cwd=tmp_path)
+    out = run_main("sft.py", *args, "--save_path", tmp_path / "run", "--save_steps", 1, "--load_checkpoint",
+                   cwd=tmp_path)
     assert f"at step {saved}" in out.stderr
     assert f"train step {saved + 1}:" in out.stderr and f"train step {saved}:" not in out.stderr
     assert len(list(ckpt.glob("global_step*"))) == 3  # --max_ckpt_num

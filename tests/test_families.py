@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
 # conftest first: it puts the repository on sys.path (for __main__ too)
-from conftest import ROOT, run_script, script_args, stock_eval_reward
+from conftest import ROOT, run_main, script_args, stock_eval_reward
 
 import common  # noqa: E402
 import dpo  # noqa: E402
@@ -297,9 +297,9 @@ def test_every_script_runs_on_the_family(family_dirs, family, tmp_path):
     eval_prompts.write_text("".join(open(root / "prompts.jsonl").readlines()[:6]))
     sft_dir, rm_dir, prm_dir = tmp_path / "sft", tmp_path / "rm", tmp_path / "prm"
 
-    run_script("sft.py", "--pretrain", root / "model", "--dataset", root / "sft.jsonl", *template, *small,
-               "--learning_rate", 1e-3, "--eval_dataset", root / "sft.jsonl", "--eval_generate_samples", 4,
-               "--generate_max_len", 8, "--save_path", sft_dir)
+    run_main("sft.py", "--pretrain", root / "model", "--dataset", root / "sft.jsonl", *template, *small,
+             "--learning_rate", 1e-3, "--eval_dataset", root / "sft.jsonl", "--eval_generate_samples", 4,
+             "--generate_max_len", 8, "--save_path", sft_dir)
     tok = AutoTokenizer.from_pretrained(sft_dir)
     assert tok.eos_token == (TURN_END[family] or AutoTokenizer.from_pretrained(root / "model").eos_token)
     # the checkpoint keeps its sampling config, and a stock generate() stops at the stop token the policy learnt
@@ -310,8 +310,8 @@ def test_every_script_runs_on_the_family(family_dirs, family, tmp_path):
     assert tok.eos_token_id in (saved["eos_token_id"] if isinstance(saved["eos_token_id"], list)
                                 else [saved["eos_token_id"]])
 
-    run_script("rm.py", "--pretrain", sft_dir, "--dataset", root / "prefs.jsonl", *template, *small,
-               "--eval_dataset", root / "prefs.jsonl", "--save_path", rm_dir)
+    run_main("rm.py", "--pretrain", sft_dir, "--dataset", root / "prefs.jsonl", *template, *small,
+             "--eval_dataset", root / "prefs.jsonl", "--save_path", rm_dir)
     # rm.py's held-out reward mean is the stock classifier's, each response scored by the README's recipe
     rm_tok, rm_model = AutoTokenizer.from_pretrained(rm_dir), AutoModelForSequenceClassification.from_pretrained(rm_dir)
     scores = []
@@ -329,10 +329,10 @@ def test_every_script_runs_on_the_family(family_dirs, family, tmp_path):
     assert reported == pytest.approx(sum(scores) / len(scores), abs=1e-4)
     for script in ("grpo.py", "ppo.py"):
         out = tmp_path / script[:-3]
-        run_script(script, "--pretrain", sft_dir, "--reward_pretrain", rm_dir, "--dataset", root / "prompts.jsonl",
-                   *template, "--max_samples", 8, "--rollout_batch_size", 4, "--n_samples_per_prompt", 2,
-                   "--train_batch_size", 8, "--micro_train_batch_size", 4, "--generate_max_len", 8,
-                   "--prompt_max_len", 96, "--eval_dataset", eval_prompts, "--save_path", out)
+        run_main(script, "--pretrain", sft_dir, "--reward_pretrain", rm_dir, "--dataset", root / "prompts.jsonl",
+                 *template, "--max_samples", 8, "--rollout_batch_size", 4, "--n_samples_per_prompt", 2,
+                 "--train_batch_size", 8, "--micro_train_batch_size", 4, "--generate_max_len", 8,
+                 "--prompt_max_len", 96, "--eval_dataset", eval_prompts, "--save_path", out)
         prompts = [json.loads(line)["input"] for line in open(eval_prompts)]
         reported = json.loads((out / "eval_results.json").read_text())["eval_reward"]
         assert reported == pytest.approx(stock_eval_reward(out, rm_dir, prompts, chat), abs=1e-4), script
@@ -340,8 +340,8 @@ def test_every_script_runs_on_the_family(family_dirs, family, tmp_path):
     # dpo.py offline: the held-out log-probs it reports before training are the stock model's, one pair at a time,
     # over the response tokens of the text (the template's rendering through the stop token, or prompt + response
     # + EOS)
-    run_script("dpo.py", "--pretrain", sft_dir, "--dataset", root / "prefs.jsonl", *template, *small,
-               "--eval_dataset", root / "prefs.jsonl", "--save_path", tmp_path / "dpo")
+    run_main("dpo.py", "--pretrain", sft_dir, "--dataset", root / "prefs.jsonl", *template, *small,
+             "--eval_dataset", root / "prefs.jsonl", "--save_path", tmp_path / "dpo")
     reported = json.loads((tmp_path / "dpo" / "eval_results.json").read_text())["eval_logps/chosen_before"]
     policy, logps = AutoModelForCausalLM.from_pretrained(sft_dir).double().eval(), []
     with torch.no_grad():
@@ -362,7 +362,7 @@ def test_every_script_runs_on_the_family(family_dirs, family, tmp_path):
             logps.append(logp[n_prompt - 1:].sum().item())
     assert reported == pytest.approx(sum(logps) / len(logps), abs=1e-4)
 
-    run_script("prm.py", "--pretrain", root / "model", "--dataset", root / "prm.jsonl", *small, "--save_path", prm_dir)
+    run_main("prm.py", "--pretrain", root / "model", "--dataset", root / "prm.jsonl", *small, "--save_path", prm_dir)
     server = Server("--reward_pretrain", rm_dir)
     try:
         record = {"input": "12+34=", "chosen": "46"}

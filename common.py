@@ -417,10 +417,12 @@ def varlen_plan(position_ids):
 
 def varlen_kernel(query, dropout, kwargs):
     """torch's own FlashAttention-2 varlen kernel (torch.nn.attention.varlen, in the CUDA wheel: nothing to install)
-    where it applies: CUDA with compute capability >= 8.0, bf16/fp16, head_dim <= 256, no dropout, softcap or
-    attention sinks, a torch that takes window_size (2.11+). Else None, and packed_sdpa loops over the pieces."""
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and query.size(-1) <= 256 and not dropout \
-            and kwargs.get("softcap") is None and kwargs.get("s_aux") is None:
+    where it applies: CUDA (not ROCm: untried there) with compute capability >= 8.0, bf16/fp16, head_dim a multiple of
+    8 up to 256, no dropout, softcap or attention sinks, a torch that takes window_size (2.11+). Else None, and
+    packed_sdpa loops over the pieces."""
+    if query.is_cuda and torch.version.hip is None and query.dtype in (torch.bfloat16, torch.float16) \
+            and query.size(-1) <= 256 and query.size(-1) % 8 == 0 and not dropout and kwargs.get("softcap") is None \
+            and kwargs.get("s_aux") is None:
         return torch_varlen(query.device.index)
     return None
 

@@ -18,6 +18,10 @@ sys.path.insert(0, str(ROOT))
 os.environ.update(HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
 
 import common  # noqa: E402  (imports after the environment they read)
+
+# rich picks its colours when common.console is made: under `pytest -s` in a terminal that would put ANSI codes into
+# the logs run_main captures and tests parse
+common.console._color_system = None
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,  # noqa: E402
                           GenerationConfig)
 
@@ -90,6 +94,9 @@ def run_main(script, *args, cwd=None, check=True):
         code = 0
     except SystemExit as e:
         code = e.code
+    except BaseException:
+        sys.stderr.write(out.getvalue() + err.getvalue())  # the run's log, beside the traceback
+        raise
     finally:
         sys.argv = argv
         os.chdir(cwd_before)

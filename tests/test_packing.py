@@ -2,6 +2,8 @@
 sequence gives alone, and our reward equals stock AutoModelForSequenceClassification's."""
 import copy
 import functools
+import sys
+import types
 
 import pytest
 import torch
@@ -153,6 +155,23 @@ def flash_varlen_211(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, w
     return flash_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
 
 
+def test_packed_sdpa_takes_deepseeks_latent_attention(tokenizer, sequences):
+    """DeepSeek-V3's multi-head latent attention gives values narrower than queries and keys (16 against 24 here):
+    packed sequences and branches still give each one's logits and gradients alone (eager attention)."""
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+                              qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    common.register_packed_sdpa()
+    packed_model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="packed_sdpa")
+    packed_model.load_state_dict(model.state_dict())
+    a, b1, c = sequences[3], sequences[0], sequences[4]
+    assert_packed_row_equals_alone(model, packed_model, [(a, 0), (b1, 4), (c, 0)], [a[:0], a[:4], c[:0]])
+
+
 @pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("kv_heads, kernel", [(None, flash_varlen), (2, flash_varlen), (2, flash_varlen_211)],
                          ids=["mha", "gqa", "gqa-torch2.11"])
@@ -179,7 +198,7 @@ def test_packed_sdpa_on_the_varlen_kernel(toy_world, sequences, monkeypatch, win
     def counted(*args, **kwargs):
         calls.append(kwargs["window_size"])
         return kernel(*args, **kwargs)
-    monkeypatch.setattr(common, "varlen_kernel", lambda query, dropout, kwargs: counted)
+    monkeypatch.setattr(common, "varlen_kernel", lambda query, value, dropout, kwargs: counted)
     # eager attention takes its softmax in float32 even in a float64 model: float32's tolerances against it
     assert_packed_row_equals_alone(model, packed_model, pieces, prefixes)
     assert calls == [(-1, 0) if window is None else (window - 1, 0)] * model.config.num_hidden_layers
@@ -198,9 +217,6 @@ def test_packed_sdpa_on_the_varlen_kernel(toy_world, sequences, monkeypatch, win
 def test_an_older_torchs_varlen_kernel_is_left_alone(monkeypatch):
     """torch 2.10's varlen_attn took is_causal, not window_size; older ones had none: packed_sdpa then loops (no
     crash). 2.11's, without enable_gqa, is taken (GQA by repeating heads, tested above); so is this torch's."""
-    import sys
-    import types
-
     kernel = common.varlen_attn()  # this torch's own: window_size from 2.11, enable_gqa from 2.12 (read off the wheels)
     assert (kernel is not None) == (torch.__version__ >= "2.11")
     assert kernel is None or common.takes_gqa(kernel) == (torch.__version__ >= "2.12")
@@ -212,6 +228,24 @@ def test_an_older_torchs_varlen_kernel_is_left_alone(monkeypatch):
         assert (common.varlen_attn() is module.varlen_attn) == taken
     monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", None)  # not in this torch: ImportError
     assert common.varlen_attn() is None
+
+
+def test_the_varlen_kernel_only_where_it_applies(monkeypatch):
+    """The kernel's own limits (flash_api.cpp: CUDA, bf16/fp16, one head_dim for q, k and v, a multiple of 8 up to
+    256; torch's wrapper: no dropout, softcap or sinks), asked of stand-in CUDA tensors: anything outside them loops.
+    DeepSeek's MLA (queries 192 wide, values 128) among them: the kernel would refuse it mid-forward."""
+    monkeypatch.setattr(common, "torch_varlen", lambda index: "kernel")  # a GPU with compute capability 8+
+
+    def gate(dtype=torch.bfloat16, d=128, dv=None, cuda=True, dropout=0.0, **kwargs):
+        query = types.SimpleNamespace(is_cuda=cuda, dtype=dtype, device=torch.device("cuda", 0), size=lambda dim: d)
+        return common.varlen_kernel(query, types.SimpleNamespace(size=lambda dim: dv or d), dropout, kwargs)
+
+    assert gate() == gate(torch.float16) == gate(d=8) == gate(d=256) == gate(sliding_window=4096) == "kernel"
+    for refused in (gate(torch.float32), gate(cuda=False), gate(d=100), gate(d=264), gate(d=192, dv=128),
+                    gate(dropout=0.1), gate(softcap=50.0), gate(s_aux=torch.zeros(4))):
+        assert refused is None
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert gate() is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen kernel runs on CUDA GPUs only")

@@ -418,10 +418,10 @@ def varlen_plan(position_ids):
 def varlen_kernel(query, value, dropout, kwargs):
     """torch's own FlashAttention-2 varlen kernel (torch.nn.attention.varlen, in the CUDA wheel: nothing to install)
     where it applies: CUDA (not ROCm: untried there) with compute capability >= 8.0, bf16/fp16, one head_dim for
-    queries and values (not DeepSeek's MLA), a multiple of 8 up to 256, no dropout, softcap or attention sinks, a
-    torch that takes window_size (2.11+). Else None, and packed_sdpa loops over the pieces."""
+    queries and keys (values may be narrower: DeepSeek's MLA), a multiple of 8 up to 256, no dropout, softcap or
+    attention sinks, a torch that takes window_size (2.11+). Else None, and packed_sdpa loops over the pieces."""
     if query.is_cuda and torch.version.hip is None and query.dtype in (torch.bfloat16, torch.float16) \
-            and value.size(-1) == query.size(-1) <= 256 and query.size(-1) % 8 == 0 and not dropout \
+            and value.size(-1) <= query.size(-1) <= 256 and query.size(-1) % 8 == 0 and not dropout \
             and kwargs.get("softcap") is None and kwargs.get("s_aux") is None:
         return torch_varlen(query.device.index)
     return None
@@ -447,6 +447,9 @@ def packed_varlen(kernel, query, key, value, position_ids, scaling, window):
     else by repeating the key/value heads. -> [1, T, H, D]."""
     cu_q, cu_k, max_q, max_k, gather = varlen_plan(position_ids)
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [1, H, T, D] -> [T, H, D]
+    width = v.size(-1)  # the kernel takes one head_dim: narrower values (MLA) get zero columns, their outputs cut off
+    if width < q.size(-1):
+        v = torch.nn.functional.pad(v, (0, q.size(-1) - width))
     if gather is not None:
         k, v = k[gather], v[gather]
     extra = {}
@@ -458,7 +461,7 @@ def packed_varlen(kernel, query, key, value, position_ids, scaling, window):
     # transformers' sliding_window W: a query sees itself and the W - 1 keys before it
     out = kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling,
                  window_size=(-1, 0) if window is None else (window - 1, 0), **extra)
-    return out[None]
+    return out[None, ..., :width]
 
 
 @functools.cache

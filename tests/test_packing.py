@@ -134,6 +134,7 @@ def flash_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, windo
     [-left, right] of window_size (-1: unbounded), so (-1, 0) is causal aligned to the bottom right; with enable_gqa
     each Hq / Hkv consecutive query heads share a key/value head, without it the head counts must be equal."""
     assert q.dim() == k.dim() == v.dim() == 3 and q.dtype == k.dtype == v.dtype
+    assert q.size(-1) == k.size(-1) == v.size(-1), "varlen_attn: one head_dim for query, key and value"
     assert enable_gqa or k.size(1) == q.size(1), "varlen_attn: Hq != Hkv without enable_gqa"
     cu_q, cu_k = cu_seq_q.tolist(), cu_seq_k.tolist()
     assert cu_q[0] == cu_k[0] == 0 and cu_q[-1] == len(q) and cu_k[-1] == len(k) and len(cu_q) == len(cu_k)
@@ -155,9 +156,11 @@ def flash_varlen_211(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, w
     return flash_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
 
 
-def test_packed_sdpa_takes_deepseeks_latent_attention(tokenizer, sequences):
+@pytest.mark.parametrize("kernel", [None, flash_varlen], ids=["loop", "varlen"])
+def test_packed_sdpa_takes_deepseeks_latent_attention(tokenizer, sequences, monkeypatch, kernel):
     """DeepSeek-V3's multi-head latent attention gives values narrower than queries and keys (16 against 24 here):
-    packed sequences and branches still give each one's logits and gradients alone (eager attention)."""
+    packed sequences and branches still give each one's logits and gradients alone (eager attention), in the loop
+    and through the varlen kernel's stand-in, which takes one head_dim (the values get zero columns)."""
     from transformers import DeepseekV3Config
 
     config = DeepseekV3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -168,8 +171,12 @@ def test_packed_sdpa_takes_deepseeks_latent_attention(tokenizer, sequences):
     common.register_packed_sdpa()
     packed_model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="packed_sdpa")
     packed_model.load_state_dict(model.state_dict())
+    calls = []
+    if kernel:
+        monkeypatch.setattr(common, "varlen_kernel", lambda query, value, dropout, kwargs: calls.append(1) or kernel)
     a, b1, c = sequences[3], sequences[0], sequences[4]
     assert_packed_row_equals_alone(model, packed_model, [(a, 0), (b1, 4), (c, 0)], [a[:0], a[:4], c[:0]])
+    assert len(calls) == (config.num_hidden_layers if kernel else 0)
 
 
 @pytest.mark.parametrize("window", [None, 4])
@@ -233,15 +240,16 @@ def test_an_older_torchs_varlen_kernel_is_left_alone(monkeypatch):
 def test_the_varlen_kernel_only_where_it_applies(monkeypatch):
     """The kernel's own limits (flash_api.cpp: CUDA, bf16/fp16, one head_dim for q, k and v, a multiple of 8 up to
     256; torch's wrapper: no dropout, softcap or sinks), asked of stand-in CUDA tensors: anything outside them loops.
-    DeepSeek's MLA (queries 192 wide, values 128) among them: the kernel would refuse it mid-forward."""
+    Values narrower than queries (DeepSeek's MLA: 128 against 192) are taken: packed_varlen pads them."""
     monkeypatch.setattr(common, "torch_varlen", lambda index: "kernel")  # a GPU with compute capability 8+
 
     def gate(dtype=torch.bfloat16, d=128, dv=None, cuda=True, dropout=0.0, **kwargs):
         query = types.SimpleNamespace(is_cuda=cuda, dtype=dtype, device=torch.device("cuda", 0), size=lambda dim: d)
         return common.varlen_kernel(query, types.SimpleNamespace(size=lambda dim: dv or d), dropout, kwargs)
 
-    assert gate() == gate(torch.float16) == gate(d=8) == gate(d=256) == gate(sliding_window=4096) == "kernel"
-    for refused in (gate(torch.float32), gate(cuda=False), gate(d=100), gate(d=264), gate(d=192, dv=128),
+    assert gate() == gate(torch.float16) == gate(d=8) == gate(d=256) == gate(d=192, dv=128) == "kernel"
+    assert gate(sliding_window=4096) == "kernel"
+    for refused in (gate(torch.float32), gate(cuda=False), gate(d=100), gate(d=264), gate(d=128, dv=192),
                     gate(dropout=0.1), gate(softcap=50.0), gate(s_aux=torch.zeros(4))):
         assert refused is None
     monkeypatch.setattr(torch.version, "hip", "6.4")

@@ -69,6 +69,22 @@ def twin_models(toy_world, kv_heads, sliding_window=None):
     return model, packed_model
 
 
+def mla_twins(tokenizer):
+    """twin_models for a small DeepSeek-V3: its multi-head latent attention has values narrower than the queries
+    and keys (16 against 24 here)."""
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+                              qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    common.register_packed_sdpa()
+    packed_model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="packed_sdpa")
+    packed_model.load_state_dict(model.state_dict())
+    return model, packed_model
+
+
 def assert_packed_row_equals_alone(model, packed_model, pieces, prefixes):
     """A packed row of `pieces` (tokens, first position) gives, piece by piece, the logits of its prefix then
     the piece run alone by the eager model, and the same gradients."""
@@ -161,22 +177,13 @@ def test_packed_sdpa_takes_deepseeks_latent_attention(tokenizer, sequences, monk
     """DeepSeek-V3's multi-head latent attention gives values narrower than queries and keys (16 against 24 here):
     packed sequences and branches still give each one's logits and gradients alone (eager attention), in the loop
     and through the varlen kernel's stand-in, which takes one head_dim (the values get zero columns)."""
-    from transformers import DeepseekV3Config
-
-    config = DeepseekV3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
-                              qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    common.register_packed_sdpa()
-    packed_model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="packed_sdpa")
-    packed_model.load_state_dict(model.state_dict())
+    model, packed_model = mla_twins(tokenizer)
     calls = []
     if kernel:
         monkeypatch.setattr(common, "varlen_kernel", lambda query, value, dropout, kwargs: calls.append(1) or kernel)
     a, b1, c = sequences[3], sequences[0], sequences[4]
     assert_packed_row_equals_alone(model, packed_model, [(a, 0), (b1, 4), (c, 0)], [a[:0], a[:4], c[:0]])
-    assert len(calls) == (config.num_hidden_layers if kernel else 0)
+    assert len(calls) == (model.config.num_hidden_layers if kernel else 0)
 
 
 @pytest.mark.parametrize("window", [None, 4])
@@ -257,15 +264,16 @@ def test_the_varlen_kernel_only_where_it_applies(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen kernel runs on CUDA GPUs only")
-@pytest.mark.parametrize("window", [None, 4])
-@pytest.mark.parametrize("kv_heads", [None, 2])
-def test_packed_sdpa_varlen_kernel_on_cuda(toy_world, sequences, monkeypatch, window, kv_heads):
-    """The real kernel in bf16 (sequences, branches, GQA, a window) against the per-piece loop in bf16, both
-    measured against the float64 eager model: the kernel's error is no worse than the loop's, forward and backward.
-    This is where the window's off-by-one is settled."""
+@pytest.mark.parametrize("kv_heads, window", [(None, None), (2, None), (None, 4), (2, 4), ("mla", None)],
+                         ids=["mha", "gqa", "window", "gqa-window", "deepseek-mla"])
+def test_packed_sdpa_varlen_kernel_on_cuda(toy_world, tokenizer, sequences, monkeypatch, kv_heads, window):
+    """The real kernel in bf16 (sequences, branches, GQA, a window, MLA's narrower values) against the per-piece
+    loop in bf16, both measured against the float64 eager model: the kernel's error is no worse than the loop's,
+    forward and backward. This is where the window's off-by-one is settled."""
     if common.torch_varlen(torch.cuda.current_device()) is None:
         pytest.skip("torch's varlen kernel needs compute capability 8.0 and torch 2.11+")
-    model, packed_model = twin_models(toy_world, kv_heads, sliding_window=window)
+    model, packed_model = mla_twins(tokenizer) if kv_heads == "mla" else \
+        twin_models(toy_world, kv_heads, sliding_window=window)
     reference = model.double().cuda()
     a, b1, b2, c, c1 = (s.cuda() for s in (sequences[3], sequences[0], sequences[1], sequences[4], sequences[5]))
     pieces, prefixes = [(a, 0), (b1, 4), (b2, 12), (c, 0), (c1, 2)], [a[:0], a[:4], a, c[:0], c[:2]]

@@ -62,12 +62,7 @@ def twin_models(toy_world, kv_heads, sliding_window=None):
     if sliding_window:
         config = MistralConfig(**{k: v for k, v in config.to_dict().items() if k != "model_type"},
                                sliding_window=sliding_window)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    common.register_packed_sdpa()
-    packed_model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="packed_sdpa")
-    packed_model.load_state_dict(model.state_dict())
-    return model, packed_model
+    return twins(config)
 
 
 def mla_twins(tokenizer):
@@ -82,6 +77,11 @@ def mla_twins(tokenizer):
                               num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
                               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=2,
                               max_position_embeddings=512, rope_parameters=yarn)
+    return twins(config)
+
+
+def twins(config):
+    """Random weights (seed 0) of `config` with the stock eager attention, and the same weights with packed_sdpa."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     common.register_packed_sdpa()

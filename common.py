@@ -10,9 +10,6 @@ which must precede DeepSpeed's import.
 import argparse
 import contextlib
 import ctypes
-import functools
-import inspect
-import itertools
 import json
 import math
 import os
@@ -33,9 +30,6 @@ if not torch.cuda.is_available():  # what DeepSpeed picks on a CPU anyway, minus
 import deepspeed  # noqa: E402
 import torch.distributed as dist
 import transformers
-from torch.nn.attention.bias import causal_lower_right
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from rich.console import Console
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.checkpoint import checkpoint
@@ -108,22 +102,29 @@ def add_common_args(p: argparse.ArgumentParser):
     return p
 
 
-def parse_args(parser, toy_defaults):
-    """Parse; with no --dataset the toy world is built (if missing) and `toy_defaults(root)` supplies
-    its data and calibrated hyperparameters, each still overridable on the command line.
-    Without --pretrain the model is the toy one."""
+def parse_args(parser, defaults):
+    """Parse the command line once. `defaults`: the script's table, {flag: (a real run's default, the toy world's)};
+    the toy world's column applies when no --dataset is given (the world is built if missing; "{toy}" in a value is
+    its directory), and a flag given on the command line wins either way. Without --pretrain the model is the toy
+    one."""
     quiet_libraries()
+    unset = object()  # what a flag of the table not given on the command line holds until it is filled in below
+    parser.set_defaults(**dict.fromkeys(defaults, unset))
     args = parser.parse_args()
-    if args.dataset is None or args.pretrain is None:
+    toy_run = args.dataset in (None, unset)
+    if toy_run or args.pretrain is None:
         import toy
         root = toy.ensure_toy_world()
-        parser.set_defaults(pretrain=str(root / "model"), **(toy_defaults(root) if args.dataset is None else {}))
-        args = parser.parse_args()
-    warn_if_slow_bf16(args)
-    if args.load_in_4bit and not args.lora_rank:
-        fail("--load_in_4bit freezes the 4-bit base weights: it trains only with LoRA adapters (--lora_rank)")
-    if args.load_in_4bit and args.zero_stage == 3:
-        fail("--load_in_4bit cannot be partitioned by ZeRO-3: use --zero_stage 0, 1 or 2")
+        args.pretrain = args.pretrain or str(root / "model")
+    for flag, (real, toy_value) in defaults.items():
+        if getattr(args, flag) is unset:
+            value = toy_value if toy_run else real
+            setattr(args, flag, value.format(toy=root) if toy_run and isinstance(value, str) else value)
+    if args.bf16:
+        warn_if_slow_bf16()
+    if args.load_in_4bit:
+        import lora
+        lora.check_options(args)
     if args.adam_offload and args.zero_stage == 0:  # DeepSpeedCPUAdam asserts on GPU parameters at the first step
         fail("--adam_offload moves the optimizer state to the CPU through ZeRO: add --zero_stage 1, 2 or 3")
     if args.dataset_probs is not None:
@@ -224,12 +225,17 @@ def all_reduce_means(metrics, stds=None):
     one all-reduce of sums and counts. Names no rank has a value for are left out."""
     values = [v.flatten() if torch.is_tensor(v) else torch.tensor(v, dtype=torch.float64) for v in metrics.values()]
     spread = [torch.as_tensor(v, dtype=torch.float64).flatten() for v in (stds or {}).values()]
-    sums = all_reduce_sum([x for v in values for x in (v.sum().item(), v.numel())] +
-                          [x for v in spread for x in (v.sum().item(), (v ** 2).sum().item(), v.numel())])
-    out = {k: sums[2 * i] / sums[2 * i + 1] for i, k in enumerate(metrics) if sums[2 * i + 1]}
-    for k, (total, squares, count) in zip(stds or {}, zip(*[iter(sums[2 * len(values):])] * 3)):
+    totals = iter(all_reduce_sum([x for v in values for x in (v.sum().item(), v.numel())] +
+                                 [x for v in spread for x in (v.sum().item(), (v ** 2).sum().item(), v.numel())]))
+    out = {}
+    for name in metrics:
+        total, count = next(totals), next(totals)
         if count:
-            out[f"{k}_std"] = math.sqrt(max(squares / count - (total / count) ** 2, 0.0))
+            out[name] = total / count
+    for name in stds or {}:
+        total, squares, count = next(totals), next(totals), next(totals)
+        if count:
+            out[f"{name}_std"] = math.sqrt(max(squares / count - (total / count) ** 2, 0.0))
     return out
 
 
@@ -292,11 +298,10 @@ def cpu_has_native_bf16(cpuinfo="/proc/cpuinfo"):
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def warn_if_slow_bf16(args):
-    """--bf16 on a CPU that emulates it: say what it costs here (one line) and keep bf16, as asked."""
-    if not getattr(args, "bf16", False) or torch.cuda.is_available() or os.environ.get("RANK", "0") != "0" \
-            or cpu_has_native_bf16():  # before init_distributed: the launcher's RANK says who prints
-        return
+def warn_if_slow_bf16():
+    """--bf16 on a CPU that emulates it: say what that costs here (one line) and keep bf16, as asked."""
+    if torch.cuda.is_available() or os.environ.get("RANK", "0") != "0" or cpu_has_native_bf16():
+        return  # (before init_distributed: the launcher's RANK says who prints)
     speed = {}
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(256, 256, dtype=dtype)
@@ -372,166 +377,6 @@ def use_turn_end_as_eos(tokenizer, path):
         tokenizer.eos_token = end
 
 
-_pieces = [None, None]  # the last position_ids packed_sdpa saw, and its pieces (and varlen plan, once asked for)
-
-
-def packed_pieces(position_ids):
-    """A packed row's pieces: where each starts, its first position, its length, and which piece it branches off
-    (its own index for a sequence). Every layer of a forward gets the same position_ids tensor: computed once per
-    forward, not once per layer (each is a host sync)."""
-    if _pieces[0] is not position_ids:
-        pos = position_ids[0]
-        cuts = torch.cat([pos.new_zeros(1), (pos[1:] != pos[:-1] + 1).nonzero().flatten() + 1])
-        cuts, starts = torch.stack([cuts, pos[cuts]]).tolist()
-        lengths, bases = [e - s for s, e in zip(cuts, cuts[1:] + [len(pos)])], []
-        for i, (cut, p) in enumerate(zip(cuts, starts)):
-            base = i if p == 0 else bases[-1] if bases else None
-            if base is None:
-                raise ValueError(f"packed row: positions start at {p} at token {cut}, with no sequence before it")
-            if p > lengths[base]:
-                raise ValueError(f"packed row: positions jump to {p} at token {cut}, but the sequence before it "
-                                 f"starts with {lengths[base]} unbranched tokens")
-            bases.append(base)
-        _pieces[:] = position_ids, {"cuts": cuts, "starts": starts, "lengths": lengths, "bases": bases}
-    return _pieces[1]
-
-
-def varlen_plan(position_ids):
-    """torch's varlen kernel's view of a packed row: cumulative query and key lengths, the longest of each, and
-    the key rows to gather (None when no piece branches): a branch's keys are its sequence's first p tokens, then
-    its own. Once per forward, as packed_pieces."""
-    pieces = packed_pieces(position_ids)
-    if "plan" not in pieces:
-        cuts, starts, lengths, bases = (pieces[k] for k in ("cuts", "starts", "lengths", "bases"))
-        keys = [p + n for p, n in zip(starts, lengths)]
-        gather = None
-        if any(starts):
-            gather = torch.tensor([j for c, p, n, b in zip(cuts, starts, lengths, bases)
-                                   for j in (*range(cuts[b], cuts[b] + p), *range(c, c + n))],
-                                  device=position_ids.device)
-        cu = [torch.tensor([0, *itertools.accumulate(x)], dtype=torch.int32, device=position_ids.device)
-              for x in (lengths, keys)]
-        pieces["plan"] = (cu[0], cu[1], max(lengths), max(keys), gather)
-    return pieces["plan"]
-
-
-def varlen_kernel(query, value, dropout, kwargs):
-    """torch's own FlashAttention-2 varlen kernel (torch.nn.attention.varlen, in the CUDA wheel: nothing to install)
-    where it applies: CUDA (not ROCm: untried there) with compute capability >= 8.0, bf16/fp16, one head_dim for
-    queries and keys (values may be narrower: DeepSeek's MLA), a multiple of 8 up to 256, no dropout, softcap or
-    attention sinks, a torch that takes window_size (2.11+). Else None, and packed_sdpa loops over the pieces."""
-    if query.is_cuda and torch.version.hip is None and query.dtype in (torch.bfloat16, torch.float16) \
-            and value.size(-1) <= query.size(-1) <= 256 and query.size(-1) % 8 == 0 and not dropout \
-            and kwargs.get("softcap") is None and kwargs.get("s_aux") is None:
-        return torch_varlen(query.device.index)
-    return None
-
-
-@functools.cache
-def torch_varlen(device_index):
-    return varlen_attn() if torch.cuda.get_device_capability(device_index)[0] >= 8 else None
-
-
-def varlen_attn():
-    """This torch's varlen_attn, if it takes window_size (2.11+; 2.10's had is_causal, older torch none)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn as kernel
-    except ImportError:
-        return None
-    return kernel if "window_size" in inspect.signature(kernel).parameters else None
-
-
-def packed_varlen(kernel, query, key, value, position_ids, scaling, window):
-    """A packed row's attention in one call of a kernel with flash's varlen contract: [T, H, D] inputs, causal
-    aligned to the bottom right, window (left, right) keys around the diagonal. GQA through enable_gqa (torch 2.12+),
-    else by repeating the key/value heads. -> [1, T, H, D]."""
-    cu_q, cu_k, max_q, max_k, gather = varlen_plan(position_ids)
-    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [1, H, T, D] -> [T, H, D]
-    width = v.size(-1)  # the kernel takes one head_dim: narrower values (MLA) get zero columns, their outputs cut off
-    if width < q.size(-1):
-        v = torch.nn.functional.pad(v, (0, q.size(-1) - width))
-    if gather is not None:
-        k, v = k[gather], v[gather]
-    extra = {}
-    if k.size(1) != q.size(1):
-        if takes_gqa(kernel):
-            extra["enable_gqa"] = True
-        else:
-            k, v = (x.repeat_interleave(q.size(1) // x.size(1), 1) for x in (k, v))
-    # transformers' sliding_window W: a query sees itself and the W - 1 keys before it
-    out = kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling,
-                 window_size=(-1, 0) if window is None else (window - 1, 0), **extra)
-    return out[None, ..., :width]
-
-
-@functools.cache
-def takes_gqa(kernel):
-    return "enable_gqa" in inspect.signature(kernel).parameters
-
-
-def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None, **kwargs):
-    """Attention for --packing_samples without flash-attn. On a GPU, one call per layer of torch's own varlen
-    flash kernel (varlen_kernel); elsewhere one sdpa call per piece of a packed row. Plain sdpa would attend over
-    the whole row through a block-diagonal mask, spending most of its FLOPs on pairs of tokens from different
-    sequences.
-    - A sequence starts where position_ids restart at 0 and attends causally within itself.
-    - A branch starts where they jump back to some p > 0: it continues the first p tokens of its sequence
-      instead of the tokens just before it, so it attends to those p and causally to itself. grpo.py packs a
-      group this way: the prompt once, each further response branching off it.
-    - With a sliding window (Mistral, Gemma's local layers) a query sees only the last `window` keys.
-    Anything that is not a packed row (padded batches, generation) goes to sdpa."""
-    if position_ids is None and attention_mask is None and query.size(0) == 1 and query.size(2) == key.size(2):
-        position_ids = torch.arange(query.size(2), device=query.device)[None]  # one sequence: a packed row of one
-    if position_ids is None or query.size(0) != 1 or query.size(2) != key.size(2):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    window = kwargs.get("sliding_window")
-    pieces = packed_pieces(position_ids)  # checks the row
-    kernel = varlen_kernel(query, value, dropout, kwargs)
-    if kernel is not None:
-        return packed_varlen(kernel, query, key, value, position_ids, scaling, window), None
-
-    def causal(q_len, k_len):
-        """Query i sees keys up to k_len - q_len + i: causal, aligned to the bottom right (flash kernels on
-        GPU, GQA too); with the window only the last `window` of them (transformers' sliding_window_overlay)."""
-        if window is None or k_len <= window:
-            return causal_lower_right(q_len, k_len)
-        i = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
-        j = torch.arange(k_len, device=query.device)[None]
-        return (j <= i) & (j > i - window)
-
-    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, dropout_p=dropout, scale=scaling,
-                             enable_gqa=key.size(1) != query.size(1))
-    lengths = pieces["lengths"]
-    # split, not slices: a slice's backward writes a zero tensor the size of the whole row, once per piece
-    keys, values, outs = key.split(lengths, 2), value.split(lengths, 2), []
-    for p, base, q, k, v in zip(pieces["starts"], pieces["bases"], query.split(lengths, 2), keys, values):
-        if p == 0:
-            outs.append(sdpa(q, k, v, is_causal=True) if window is None or q.size(2) <= window else
-                        sdpa(q, k, v, attn_mask=causal(q.size(2), q.size(2))))
-            continue
-        prefix_k, prefix_v = (x[base] if p == x[base].size(2) else x[base][:, :, :p] for x in (keys, values))
-        outs.append(sdpa(q, torch.cat([prefix_k, k], 2), torch.cat([prefix_v, v], 2),
-                         attn_mask=causal(q.size(2), p + q.size(2))))
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
-
-
-def packed_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
-    """The mask packed_sdpa is given. A causal row without padding or cache (a packed row, or one sequence)
-    gets none: packed_sdpa reads the pieces from position_ids, and plain sdpa is causal without a mask.
-    Building transformers' block-diagonal [1, 1, T, T] mask for it would cost T^2 (1 GiB at 32k tokens, kept
-    alive by gradient checkpointing) for nothing. Anything else gets sdpa's mask."""
-    if batch_size == 1 and attention_mask is None and q_length == kv_length and q_offset == kv_offset == 0:
-        return None
-    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask, **kwargs)
-
-
-def register_packed_sdpa():
-    """Make attn_implementation="packed_sdpa" loadable (load_model does it for --packing_samples)."""
-    transformers.AttentionInterface.register("packed_sdpa", packed_sdpa)
-    AttentionMaskInterface.register("packed_sdpa", packed_sdpa_mask)
-
-
 @contextlib.contextmanager
 def sampling_as_asked(model):
     """generate() takes every field a call leaves unset from the checkpoint's generation_config.json, even
@@ -571,24 +416,13 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
     if zero3:
         _hf_ds_config = transformers.integrations.HfDeepSpeedConfig(ds_cfg)
     if args.flash_attn:
-        if not args.bf16:  # flash-attn has no fp32 kernels: every forward would raise
-            fail("--flash_attn runs in bf16 only: add --bf16")
-        try:
-            import flash_attn  # noqa: F401
-        except ImportError:
-            fail("--flash_attn needs the flash-attn package (GPU only): pip install flash-attn")
+        check_flash_attn(args.bf16)
     if args.load_in_4bit:
-        if not torch.cuda.is_available():
-            fail("--load_in_4bit needs bitsandbytes on a CUDA GPU, and this machine has none")
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError:
-            fail("--load_in_4bit needs the bitsandbytes package: pip install bitsandbytes")
-        kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16)
+        import lora
+        kwargs["quantization_config"] = lora.four_bit_config()
     if getattr(args, "packing_samples", False):
-        register_packed_sdpa()
+        import packing
+        packing.register_packed_sdpa()
     try:
         model = model_class.from_pretrained(
             path, dtype=torch.bfloat16 if args.bf16 else torch.float32,
@@ -597,14 +431,8 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
             trust_remote_code=args.trust_remote_code, **kwargs)
     except (OSError, ValueError, ImportError) as e:
         fail(f"cannot load model {path!r}: {str(e).splitlines()[0]}")
-    vocab = model.config.vocab_size
-    if len(tokenizer) > vocab:  # tokens were added (a pad, a PRM step placeholder)
-        # Their rows start at the mean of the others, identical on every load: LoRA leaves embeddings frozen,
-        # so an adapter still merges onto a fresh load of the base model exactly.
-        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-        for emb in {model.get_input_embeddings(), model.get_output_embeddings()} - {None}:
-            with deepspeed.zero.GatheredParameters([emb.weight], modifier_rank=0, enabled=zero3), torch.no_grad():
-                emb.weight[vocab:] = emb.weight[:vocab].mean(0)
+    if len(tokenizer) > model.config.vocab_size:  # tokens were added (a pad, a PRM step placeholder)
+        add_embeddings(model, len(tokenizer), zero3)
     model.config.pad_token_id = tokenizer.pad_token_id
     generation = getattr(model, "generation_config", None)  # None on a classifier
     stops = generation.eos_token_id if generation is not None else None
@@ -614,25 +442,43 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
         generation.eos_token_id = [tokenizer.eos_token_id] + stops
         model.config.eos_token_id = tokenizer.eos_token_id
     if getattr(args, "use_liger_kernel", False):  # serve_rm has no such flag
-        try:
-            from liger_kernel.transformers import _apply_liger_kernel_to_instance
-        except ImportError:
-            fail("--use_liger_kernel needs the liger-kernel package (Triton kernels, GPU): pip install liger-kernel")
-        _apply_liger_kernel_to_instance(model=model)
+        use_liger_kernel(model)
     if trainable and args.lora_rank:
-        from peft import LoraConfig, prepare_model_for_kbit_training
-        if args.load_in_4bit:  # norms in fp32, inputs that carry gradients into the adapters
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
-        targets = args.target_modules[0] if args.target_modules == ["all-linear"] else args.target_modules
-        try:
-            model.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                         target_modules=targets,
-                                         modules_to_save=["score"] if hasattr(model, "score") else None))
-        except ValueError as e:
-            fail(f"--target_modules {' '.join(args.target_modules)}: {str(e).splitlines()[0]}")
+        import lora
+        model = lora.add_adapters(model, args)
     if trainable and args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def add_embeddings(model, size, zero3):
+    """Embedding rows for the tokens added to the tokenizer, up to `size`. They start at the mean of the others,
+    identical on every load: LoRA leaves embeddings frozen, so an adapter still merges onto a fresh load of the base
+    model exactly."""
+    vocab = model.config.vocab_size
+    model.resize_token_embeddings(size, mean_resizing=False)
+    for emb in {model.get_input_embeddings(), model.get_output_embeddings()} - {None}:
+        with deepspeed.zero.GatheredParameters([emb.weight], modifier_rank=0, enabled=zero3), torch.no_grad():
+            emb.weight[vocab:] = emb.weight[:vocab].mean(0)
+
+
+def check_flash_attn(bf16):
+    """--flash_attn: flash-attn installed, and bf16 (it has no fp32 kernels: every forward would raise)."""
+    if not bf16:
+        fail("--flash_attn runs in bf16 only: add --bf16")
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        fail("--flash_attn needs the flash-attn package (GPU only): pip install flash-attn")
+
+
+def use_liger_kernel(model):
+    """--use_liger_kernel: Liger's Triton kernels patched into the model."""
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError:
+        fail("--use_liger_kernel needs the liger-kernel package (Triton kernels, GPU): pip install liger-kernel")
+    _apply_liger_kernel_to_instance(model=model)
 
 
 def disable_dropout(model):
@@ -698,27 +544,34 @@ def load_records(source, split="train", required_keys=(), max_samples=None, with
     JSON lines are parsed here, so a malformed line is reported by number. With `with_locations`, also
     each record's location ("file: line N") for the caller's own error messages.
     Several sources, comma-separated ("a.jsonl,b.jsonl"), are concatenated; with `probs` they are mixed
-    instead: --max_samples records (default: as many as all sources hold), each drawn from source i with
-    probability probs[i], going through that source in a seeded shuffled order (and round again if needed).
-    `hint`: what a missing key's error adds (a script's other way to read the data)."""
+    (mix_records). `hint`: what a missing key's error adds (a script's other way to read the data)."""
     sources = [s for s in str(source).split(",") if s] or [str(source)]
-    if probs is not None and len(probs) != len(sources):
-        fail(f"--dataset_probs has {len(probs)} weights for {len(sources)} datasets ({source})")
-    if probs is not None and (min(probs) < 0 or sum(probs) <= 0):
-        fail(f"--dataset_probs {','.join(map(str, probs))}: weights must be >= 0 with a positive sum")
-    mix = probs is not None and len(sources) > 1
-    parts = [read_records(s, split, required_keys, None if mix else max_samples, hint) for s in sources]
-    if not mix:
-        rows = [row for part in parts for row in part][:max_samples or None]
+    if probs is None:
+        rows = [row for s in sources for row in read_records(s, split, required_keys, max_samples, hint)]
+        rows = rows[:max_samples or None]
     else:
-        rng = np.random.default_rng(seed)
-        picks = rng.choice(len(parts), size=max_samples or sum(map(len, parts)), p=np.array(probs) / sum(probs))
-        orders, taken, rows = [rng.permutation(len(part)) for part in parts], [0] * len(parts), []
-        for i in picks:
-            rows.append(parts[i][orders[i][taken[i] % len(parts[i])]])
-            taken[i] += 1
+        rows = mix_records(source, sources, probs, split, required_keys, max_samples, seed, hint)
     records = [record for record, _ in rows]
     return (records, [where for _, where in rows]) if with_locations else records
+
+
+def mix_records(source, sources, probs, split, required_keys, max_samples, seed, hint):
+    """--dataset_probs: `max_samples` rows (default: as many as all sources hold), each drawn from source i with
+    probability probs[i], going through that source in a seeded shuffled order (and round again if needed)."""
+    if len(probs) != len(sources):
+        fail(f"--dataset_probs has {len(probs)} weights for {len(sources)} datasets ({source})")
+    if min(probs) < 0 or sum(probs) <= 0:
+        fail(f"--dataset_probs {','.join(map(str, probs))}: weights must be >= 0 with a positive sum")
+    if len(sources) == 1:
+        return read_records(sources[0], split, required_keys, max_samples, hint)[:max_samples or None]
+    parts = [read_records(s, split, required_keys, None, hint) for s in sources]
+    rng = np.random.default_rng(seed)
+    picks = rng.choice(len(parts), size=max_samples or sum(map(len, parts)), p=np.array(probs) / sum(probs))
+    orders, taken, rows = [rng.permutation(len(part)) for part in parts], [0] * len(parts), []
+    for i in picks:
+        rows.append(parts[i][orders[i][taken[i] % len(parts[i])]])
+        taken[i] += 1
+    return rows
 
 
 def read_records(source, split, required_keys, max_samples, hint=None):
@@ -726,37 +579,7 @@ def read_records(source, split, required_keys, max_samples, hint=None):
     path = Path(source)
     if path.suffix in (".jsonl", ".json", ".parquet", ".csv") and not path.is_file():
         fail(f"dataset file not found: {source}")
-    if path.suffix in (".jsonl", ".json"):
-        text = path.read_text()
-        if text.lstrip().startswith("["):
-            try:
-                records = json.loads(text)
-            except json.JSONDecodeError as e:
-                fail(f"{source}: invalid JSON at line {e.lineno}: {e.msg}")
-            where = [f"{source}: record {i}" for i in range(len(records))]
-        else:
-            records, where = [], []
-            for i, line in enumerate(text.splitlines(), start=1):
-                if line.strip():
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        fail(f"{source}: line {i} is not valid JSON ({e.msg})")
-                    where.append(f"{source}: line {i}")
-    else:
-        import datasets  # not for JSON: its import alone takes most of a second
-
-        try:
-            if path.suffix in (".parquet", ".csv"):
-                ds = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train")
-            elif (path / "dataset_info.json").exists() or (path / "state.json").exists():
-                ds = datasets.load_from_disk(str(path))
-            else:
-                ds = datasets.load_dataset(str(source), split=split)
-        except Exception as e:  # datasets raises many kinds; the user needs the first line only
-            fail(f"cannot load dataset {source!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-        records = ds.to_list()
-        where = [f"{source}: record {i}" for i in range(len(records))]
+    records, where = read_json(source) if path.suffix in (".jsonl", ".json") else read_dataset(source, split)
     if not records:
         fail(f"dataset {source} is empty")
     rows = list(zip(records, where))[:max_samples or None]
@@ -768,6 +591,45 @@ def read_records(source, split, required_keys, max_samples, hint=None):
                 fail(f"{location}: missing key {key!r} (keys: {', '.join(record) or 'none'}); "
                      f"set the matching --*_key flag" + (f", or {hint}" if hint else ""))
     return rows
+
+
+def read_json(source):
+    """A .json array or .jsonl file -> (records, their locations), parsed here so a malformed line is named."""
+    text = Path(source).read_text()
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as e:
+            fail(f"{source}: invalid JSON at line {e.lineno}: {e.msg}")
+        return records, [f"{source}: record {i}" for i in range(len(records))]
+    records, where = [], []
+    for i, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                fail(f"{source}: line {i} is not valid JSON ({e.msg})")
+            where.append(f"{source}: line {i}")
+    return records, where
+
+
+def read_dataset(source, split):
+    """Anything but JSON, through `datasets`: a .parquet/.csv file, a directory saved with save_to_disk, a hub name
+    -> (records, their locations)."""
+    import datasets  # not for JSON: its import alone takes most of a second
+
+    path = Path(source)
+    try:
+        if path.suffix in (".parquet", ".csv"):
+            ds = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train")
+        elif (path / "dataset_info.json").exists() or (path / "state.json").exists():
+            ds = datasets.load_from_disk(str(path))
+        else:
+            ds = datasets.load_dataset(str(source), split=split)
+    except Exception as e:  # datasets raises many kinds; the user needs the first line only
+        fail(f"cannot load dataset {source!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    records = ds.to_list()
+    return records, [f"{source}: record {i}" for i in range(len(records))]
 
 
 def format_prompt(raw, tokenizer, args):
@@ -830,6 +692,7 @@ def response_inputs(model, batch, pad_id, packing, share_prompts=False):
     with `share_prompts` too, a group's prompt is laid out once where the attention is packed_sdpa."""
     device = next(model.parameters()).device
     if packing:  # branches need packed_sdpa; flash-attn's varlen kernel knows whole sequences only
+        from packing import pack_groups
         attention = getattr(model, "module", model).config._attn_implementation
         ids, pos, cols = pack_groups(batch, share_prompts=share_prompts and attention == "packed_sdpa")
         inputs = dict(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False)
@@ -853,32 +716,6 @@ def response_logits_to_keep(inputs, where):
         return cols, (rows, torch.arange(len(cols), device=cols.device))
     first = cols.min()
     return torch.arange(first, inputs["input_ids"].size(1), device=cols.device), (rows, cols - first)
-
-
-def pack_groups(batch, share_prompts):
-    """(prompt, response) pairs -> one packed row (ids, position_ids) and the row positions whose outputs
-    predict the response tokens, all pairs in order. With share_prompts, pairs with the same prompt (a group)
-    are laid out together with one copy of it: the first response follows the prompt, every other one
-    restarts its positions at len(prompt), which packed_sdpa reads as "attends to the prompt, then causally
-    to itself". Same logits as packing every pair whole; the prompt's FLOPs are spent once per group."""
-    groups = {}  # prompt -> the pairs that have it, in order of first appearance
-    for i, (p, _) in enumerate(batch):
-        groups.setdefault(tuple(p.tolist()) if share_prompts else i, []).append(i)
-    ids, pos, cols, length = [], [], [None] * len(batch), 0
-    for members in groups.values():
-        prompt = batch[members[0]][0]
-        ids.append(prompt)
-        pos.append(torch.arange(len(prompt)))
-        length += len(prompt)
-        prompt_end = length - 1  # the prompt's last token predicts each response's first
-        for i in members:
-            r = batch[i][1]
-            ids.append(r)
-            pos.append(torch.arange(len(prompt), len(prompt) + len(r)))
-            follows = torch.arange(length, length + max(len(r) - 1, 0))  # each token predicts the next
-            cols[i] = torch.cat([torch.tensor([prompt_end]), follows])[:len(r)]
-            length += len(r)
-    return torch.cat(ids)[None], torch.cat(pos)[None], torch.cat(cols)
 
 
 def masked_mean(x, mask, dim=None):
@@ -1026,27 +863,34 @@ def save_checkpoint(engine, args, step, extra=None, others=None):
     dist.barrier()
 
 
-def load_checkpoint(engine, args, with_state=False, others=None):
-    """Resume from the latest checkpoint in --ckpt_path (and `others` from the same step); returns the
-    step to continue from (0 if none), and with `with_state` also save_checkpoint's `extra` keys."""
+def load_checkpoint(engine, args, others=None):
+    """With --load_checkpoint, resume from the latest checkpoint in --ckpt_path where there is one -> (the step to
+    continue from, save_checkpoint's `extra` keys); else (0, {})."""
     if not args.load_checkpoint or not (Path(args.ckpt_path) / "latest").exists():
-        return (0, {}) if with_state else 0
-    load_path, client_state = engine.load_checkpoint(args.ckpt_path)
+        return 0, {}
+    return resume(engine, args.ckpt_path, others)
+
+
+def resume(engine, ckpt_path, others=None):
+    """The latest checkpoint in ckpt_path: model, optimizer and scheduler (DeepSpeed), `others` from the same step,
+    this rank's RNG -> (its step, save_checkpoint's `extra` keys)."""
+    load_path, client_state = engine.load_checkpoint(ckpt_path)
     if load_path is None:
-        fail(f"could not load the checkpoint in {args.ckpt_path}")
+        fail(f"could not load the checkpoint in {ckpt_path}")
     step = client_state["step"]
     for name, other in (others or {}).items():
-        if other.load_checkpoint(str(Path(args.ckpt_path) / name), tag=f"global_step{step}")[0] is None:
-            fail(f"could not load the {name} checkpoint of step {step} in {args.ckpt_path}")
-    rng = torch.load(Path(args.ckpt_path) / f"global_step{step}" / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
+        loaded, _ = other.load_checkpoint(str(Path(ckpt_path) / name), tag=f"global_step{step}")
+        if loaded is None:
+            fail(f"could not load the {name} checkpoint of step {step} in {ckpt_path}")
+    rng = torch.load(Path(ckpt_path) / f"global_step{step}" / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
     if rng["cuda"] is not None:
         torch.cuda.set_rng_state_all(rng["cuda"])
     if is_rank0():
-        console.print(f"resumed from {args.ckpt_path} at step {step}")
-    return (step, client_state) if with_state else step
+        console.print(f"resumed from {ckpt_path} at step {step}")
+    return step, client_state
 
 
 # --------------------------------------------------------------------------------------------- logging
@@ -1058,6 +902,15 @@ class Logger:
         self.steps, self.start_step, self.totals = total_steps, start_step, dict.fromkeys(timed, 0.0)
         if not self.rank0:
             return
+        if args.use_tensorboard or args.use_wandb:
+            self.open_trackers(args)
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"), console=console)
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, metrics="")
+        self.progress.start()
+
+    def open_trackers(self, args):
+        """--use_tensorboard DIR, --use_wandb: where the metrics also go."""
         if args.use_tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -1070,10 +923,6 @@ class Logger:
             except ImportError:
                 fail("--use_wandb needs the wandb package: pip install wandb")
             self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_run_name, config=vars(args))
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"), console=console)
-        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, metrics="")
-        self.progress.start()
 
     def log(self, step, metrics, prefix="train"):
         if prefix == "train":  # the `timed` seconds, summed for run_times

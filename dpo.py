@@ -25,6 +25,7 @@ loss the mean over the pairs it has (train_on_pairs).
 import argparse
 import contextlib
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -74,16 +75,24 @@ def pairs_loss(chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_
 
 
 # ---------------------------------------------------------------------------------------- log-probs
+class PairLogps(NamedTuple):
+    chosen: torch.Tensor  # [B] log pi(chosen | prompt), summed over its tokens
+    rejected: torch.Tensor  # [B] the same of the rejected
+    chosen_len: torch.Tensor  # [B] token counts
+    rejected_len: torch.Tensor
+    aux_loss: torch.Tensor  # the forward's MoE router loss (None unless --aux_loss_coef)
+
+
 def pair_logps(model, pairs, pad_id, packing):
-    """(prompt, chosen, rejected) triples -> log pi(response | prompt) summed over the response tokens, at temperature
-    1 (the policy itself, whatever temperature sampled it), of the chosen [B] and the rejected [B], both in one
+    """(prompt, chosen, rejected) triples -> PairLogps: log pi(response | prompt) summed over the response tokens, at
+    temperature 1 (the policy itself, whatever temperature sampled it), of the chosen and the rejected, both in one
     forward (packed, a pair shares one copy of its prompt), in fp32 at least and with the graph when gradients are
-    on; their token counts [B] each; and the forward's MoE router loss (None unless --aux_loss_coef)."""
+    on; their token counts; the forward's router loss."""
     n = len(pairs)
     logps, _, aux_loss = common.response_logprobs(model, [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs],
                                                   pad_id, packing, per_token=False)
     lengths = torch.tensor([len(c) for _, c, _ in pairs] + [len(r) for _, _, r in pairs], device=logps.device)
-    return logps[:n], logps[n:], lengths[:n], lengths[n:], aux_loss
+    return PairLogps(logps[:n], logps[n:], lengths[:n], lengths[n:], aux_loss)
 
 
 # ------------------------------------------------------------------------------------------- the update
@@ -111,9 +120,9 @@ def reference_logps(reference, pairs, layout, filler, pad_id, packing):
     ref_logps = torch.zeros(len(pairs), 2, dtype=torch.float64)
     with reference() as ref_model:  # one pass: an offloaded reference moves once, adapters switch off once
         for mb in (mb for update in layout for mb in update):
-            chosen, rejected, _, _, _ = pair_logps(ref_model, [pairs[i] for i in mb] or [filler], pad_id, packing)
+            lp = pair_logps(ref_model, [pairs[i] for i in mb] or [filler], pad_id, packing)
             if mb:
-                ref_logps[mb] = torch.stack([chosen, rejected], -1).double().cpu()
+                ref_logps[mb] = torch.stack([lp.chosen, lp.rejected], -1).double().cpu()
     return ref_logps
 
 
@@ -259,14 +268,15 @@ def evaluate_pairs(model, reference, pairs, answers, tokenizer, args):
     log-probs; and the exact match of greedy answers with the chosen response on the first --eval_generate_samples."""
     shards = common.eval_shard(pairs, args.micro_train_batch_size)  # fillers: run, not counted
     with reference() as ref:  # one pass each: an offloaded reference moves once, adapters switch off once
-        ref_logps = [pair_logps(ref, batch, tokenizer.pad_token_id, False)[:2] for batch, _ in shards]
+        refs = [pair_logps(ref, batch, tokenizer.pad_token_id, False) for batch, _ in shards]
     stats = {k: [] for k in ("loss", "accuracy", "margin", "logps/chosen", "logps/rejected")}
-    for (batch, real), (ref_chosen, ref_rejected) in zip(shards, ref_logps):
-        chosen, rejected, chosen_len, rejected_len, _ = pair_logps(model, batch, tokenizer.pad_token_id, False)
+    for (batch, real), ref_lp in zip(shards, refs):
+        lp = pair_logps(model, batch, tokenizer.pad_token_id, False)
         real = torch.tensor(real)
         if not real.any():
             continue
-        picked = [x.cpu()[real] for x in (chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_len)]
+        picked = [x.cpu()[real] for x in (lp.chosen, lp.rejected, ref_lp.chosen, ref_lp.rejected, lp.chosen_len,
+                                          lp.rejected_len)]
         loss, chosen_rewards, rejected_rewards = pairs_loss(*picked, args)
         stats["loss"] += [loss.item()] * len(picked[0])  # a batch mean, weighted by its pairs
         stats["accuracy"] += (chosen_rewards > rejected_rewards).float().tolist()
@@ -322,25 +332,35 @@ def load_reference(actor, args, tokenizer, cfg):
     return lambda: common.on_accelerator(ref, args.ref_offload and args.zero_stage != 3)
 
 
+# The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
+# (common.parse_args; "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_short (README).
+DEFAULTS = {
+    "save_path":                  ("runs/dpo",   "runs/dpo"),
+    "dataset":                    (None,         "{toy}/pref_train.jsonl"),
+    "eval_dataset":               (None,         "{toy}/pref_test.jsonl"),
+    "max_len":                    (512,          32),
+    "eval_generate_samples":      (0,            500),
+    "generate_max_len":           (1024,         5),
+    "micro_train_batch_size":     (8,            64),
+    "learning_rate":              (5e-7,         1e-4),
+    "lr_warmup_ratio":            (0.03,         0.05),
+    "beta":                       (0.1,          0.5),
+}
+
+
 def parse_args():
     parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     add_dpo_args(parser)
     a = parser.add_argument
     a("--chosen_key", default="chosen")
     a("--rejected_key", default="rejected")
-    a("--eval_generate_samples", type=int, default=0,
-      help="greedy-generate this many eval prompts, exact match with the chosen response")
-    a("--generate_max_len", type=int, default=1024, help="new tokens of an eval answer")
+    a("--eval_generate_samples", type=int, help="greedy-generate this many eval prompts, exact match with the chosen")
+    a("--generate_max_len", type=int, help="new tokens of an eval answer")
     a("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: before and after training only)")
     a("--online", action="store_true", help=argparse.SUPPRESS)  # moved to online_dpo.py: one line saying so
-    parser.set_defaults(save_path="runs/dpo", learning_rate=5e-7, train_batch_size=64, micro_train_batch_size=8)
-    if parser.parse_known_args()[0].online:
+    args = common.parse_args(parser, DEFAULTS)
+    if args.online:
         common.fail("online DPO is online_dpo.py now: run `python online_dpo.py` with the same flags, less --online")
-    args = common.parse_args(parser, lambda root: dict(
-        # calibrated on 2 CPU cores from runs/sft_short: see README
-        dataset=str(root / "pref_train.jsonl"), eval_dataset=str(root / "pref_test.jsonl"), max_len=32,
-        eval_generate_samples=500, generate_max_len=5, learning_rate=1e-4, lr_warmup_ratio=0.05,
-        train_batch_size=64, micro_train_batch_size=64, beta=0.5, max_epochs=1))
     check_dpo_args(args)
     return args
 
@@ -363,7 +383,7 @@ def main():
     common.disable_dropout(model)  # the policy and the reference compared as the same function
     actor = common.setup_deepspeed(model, args, cfg, total_steps)
     reference = load_reference(actor, args, tokenizer, cfg)
-    start_step = common.load_checkpoint(actor, args)
+    start_step, _ = common.load_checkpoint(actor, args)
     batches = common.train_batches(len(train), args, start_step)
 
     def evaluate():

@@ -21,24 +21,21 @@ Rewards come from one of:
 
 The implementation details, each where it happens: dropout off (common.disable_dropout), prompts left-padded
 for generation and a group's prompt prefilled once (rollout.generate_hf), the response cut at its EOS
-(rollout.generate_hf, rollout.vllm_sampling), rewards for completions without EOS or too long (score), groups
-without signal dropped (sample_groups, --dynamic_filtering), log-probs at the sampling temperature
+(rollout.generate_hf, engines.vllm_sampling), rewards for completions without EOS or too long (score), groups
+without signal dropped (keep_groups_with_signal, --dynamic_filtering), log-probs at the sampling temperature
 (common.response_logprobs), advantages from group statistics (group_advantages), vLLM's sampling corrected
 toward the trainer's policy (rollout.rollout_correction_weights).
 """
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.utils.rnn import pad_sequence
 
 import common
 import rollout
 
-TOY_REWARD = str(Path(__file__).resolve().parent / "toy.py")  # its reward_func scores the toy task
 ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline", "reinforce")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("ppo", "cispo", "sapo")
@@ -93,22 +90,39 @@ def importance_ratio(logprobs, old_logprobs, action_mask=None, level="token"):
     return torch.exp(log_ratio)
 
 
+def clipped_surrogate(ratio, advantages, eps_clip_low=0.2, eps_clip_high=0.2, dual_clip=None, delta=None):
+    """PPO's clipped surrogate per token: -min(ratio * A, clip(ratio, 1 - eps_clip_low, 1 + eps_clip_high) * A),
+    capped at -dual_clip * A where A < 0 (dual clip); with delta the unclipped ratio is capped at delta (INTELLECT-2's
+    two-sided clip)."""
+    unclipped = ratio if delta is None else ratio.clamp(max=delta)
+    loss = -torch.min(unclipped * advantages, ratio.clamp(1 - eps_clip_low, 1 + eps_clip_high) * advantages)
+    if dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
+    return loss
+
+
+def cispo_loss(ratio, advantages, logprobs, eps_clip_high=0.2):
+    """CISPO (MiniMax-M1) per token: -sg(min(ratio, 1 + eps_clip_high)) * A * logprobs: the importance weight is
+    clipped and stopped, so every token keeps its gradient."""
+    return -ratio.clamp(max=1 + eps_clip_high).detach() * advantages * logprobs
+
+
+def sapo_loss(ratio, advantages, tau_pos=1.0, tau_neg=1.05):
+    """SAPO per token: -sigmoid(tau * (ratio - 1)) * 4 / tau * A, tau = tau_pos where A > 0, else tau_neg: a soft gate
+    instead of a clip (its gradient is A * grad logprobs at ratio 1, like the surrogate's)."""
+    tau = advantages.new_full(advantages.shape, tau_neg).masked_fill(advantages > 0, tau_pos)
+    return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+
+
 def token_policy_loss(logprobs, old_logprobs, advantages, action_mask=None, eps_clip_low=0.2, eps_clip_high=0.2,
                       dual_clip=None, *, importance_sampling_level="token", policy_loss_type="ppo", delta=None,
                       tau_pos=1.0, tau_neg=1.05, ref_logprobs=None, kl_coef=0.0, kl_ratio_weighted=False,
                       rollout_logprobs=None, rollout_correction=None, rollout_correction_bounds=(0.0, 2.0)):
-    """Policy loss per token [B, T]; advantages [B] or [B, T]; ratio = importance_ratio(...) (per token, or
-    per sequence: GSPO). policy_loss_type:
-      ppo    clipped surrogate -min(ratio * A, clip(ratio, 1 - eps_clip_low, 1 + eps_clip_high) * A), capped
-             at -dual_clip * A where A < 0 (dual clip); with delta the unclipped ratio is capped at delta
-             (INTELLECT-2's two-sided clip)
-      cispo  -sg(min(ratio, 1 + eps_clip_high)) * A * logprobs: the weight is clipped and stopped, every token
-             keeps its gradient (MiniMax-M1)
-      sapo   -sigmoid(tau * (ratio - 1)) * 4 / tau * A, tau = tau_pos where A > 0, else tau_neg: a soft gate
-             instead of a clip (its gradient is A * grad logprobs at ratio 1, like the surrogate's)
-    With rollout_correction, that loss times rollout_correction_weights (the engine sampled, not pi_old). With
-    ref_logprobs, plus kl_coef * k3 KL to the reference (GRPO's KL loss), times the ratio if kl_ratio_weighted
-    (not reweighted by the correction, as in TRL and OpenRLHF)."""
+    """Policy loss per token [B, T]; advantages [B] or [B, T]; ratio = importance_ratio(...) (per token, or per
+    sequence: GSPO). policy_loss_type picks clipped_surrogate ("ppo"), cispo_loss or sapo_loss. With
+    rollout_correction, that loss times rollout_correction_weights (the engine sampled, not pi_old). With
+    ref_logprobs, plus kl_coef * k3 KL to the reference (GRPO's KL loss), times the ratio if kl_ratio_weighted (not
+    reweighted by the correction, as in TRL and OpenRLHF)."""
     if advantages.dim() == 1:
         advantages = advantages[:, None]
     ratio = importance_ratio(logprobs, old_logprobs, action_mask, importance_sampling_level)
@@ -117,15 +131,11 @@ def token_policy_loss(logprobs, old_logprobs, advantages, action_mask=None, eps_
     if policy_loss_type != "ppo" and (dual_clip is not None or delta is not None):
         raise ValueError(f"dual_clip and delta cap the ppo surrogate, not {policy_loss_type}'s loss")
     if policy_loss_type == "ppo":
-        unclipped = ratio if delta is None else ratio.clamp(max=delta)
-        loss = -torch.min(unclipped * advantages, ratio.clamp(1 - eps_clip_low, 1 + eps_clip_high) * advantages)
-        if dual_clip is not None:
-            loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
+        loss = clipped_surrogate(ratio, advantages, eps_clip_low, eps_clip_high, dual_clip, delta)
     elif policy_loss_type == "cispo":
-        loss = -ratio.clamp(max=1 + eps_clip_high).detach() * advantages * logprobs
-    else:  # sapo
-        tau = advantages.new_full(advantages.shape, tau_neg).masked_fill(advantages > 0, tau_pos)
-        loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+        loss = cispo_loss(ratio, advantages, logprobs, eps_clip_high)
+    else:
+        loss = sapo_loss(ratio, advantages, tau_pos, tau_neg)
     if rollout_correction is not None:
         if rollout_logprobs is None or action_mask is None:
             raise ValueError("rollout_correction needs rollout_logprobs and action_mask")
@@ -179,64 +189,74 @@ def loss_family(args):
 
 
 # ------------------------------------------------------------------------------------------- rollout
-def score(records, samples, reward_fn, tokenizer, args):
-    """Rewards, scores and extra logs ([N] each), with the length penalties on the rewards."""
-    rewards, scores, logs = reward_fn(records, samples)
-    responses, stopped = samples.responses, rollout.stopped(samples, tokenizer)
-    if args.non_stop_penalty is not None:  # a completion cut off at --generate_max_len gets a fixed reward
-        rewards = torch.where(stopped, rewards, torch.tensor(args.non_stop_penalty))
+def score(batch, reward_fn, args):
+    """Rewards, scores and extra logs ([N] each) of a Rollout, with the length penalties on the rewards."""
+    rewards, scores, logs = reward_fn(batch)
+    rewards = rollout.penalize_unfinished(rewards, batch.stopped, args.non_stop_penalty)
     if args.overlong_buffer_len:  # DAPO: a linear penalty over the last --overlong_buffer_len tokens
-        lengths = torch.tensor([len(r) for r in responses], dtype=torch.float32)
-        excess = lengths - (args.generate_max_len - args.overlong_buffer_len)
+        excess = batch.lengths.float() - (args.generate_max_len - args.overlong_buffer_len)
         rewards = rewards + (-excess / args.overlong_buffer_len * args.overlong_penalty_factor).clamp(max=0)
-    return rewards, scores, {**logs, "stopped": stopped.float()}
+    return rewards, scores, {**logs, "stopped": batch.stopped.float()}
 
 
-def sample_groups(sampler, reward_fn, tokenizer, args):
-    """This rank's share of one step: rollout_batch_size / world prompts, each with n_samples_per_prompt scored
-    completions (a group: consecutive samples). --dynamic_filtering (DAPO) keeps only groups whose mean score is
-    strictly inside the range, drawing more prompts until the share is full; after 10 rounds dropped groups top it
-    up (logged). All ranks run the same rounds (ZeRO-3 generate).
-    -> (the kept samples: a rollout.Batch, engine log-probs padded to [N, R]; rewards [N]; logs {name: [N]};
-    metrics)."""
-    n, want = args.n_samples_per_prompt, args.rollout_batch_size // dist.get_world_size()
-    metrics = dict(generate_s=0.0, wait_s=0.0, reward_s=0.0, rounds=0, groups_dropped=0, groups_topped_up=0)
-    records, responses, engine_logprobs, action_mask, rewards, logs, group_scores = [], [], [], [], [], [], []
+def sample_round(next_batch, reward_fn, args):
+    """One round of a step's rollout: wait for this rank's next batch (in step: generate it), score it. -> (batch,
+    rewards, scores, logs, metrics)."""
+    t = time.time()
+    batch = next_batch()
+    t, wait_s = time.time(), time.time() - t
+    rewards, scores, logs = score(batch, reward_fn, args)
+    return batch, rewards, scores, {"score": scores, **logs}, dict(
+        generate_s=batch.generate_s, wait_s=wait_s, reward_s=time.time() - t, rounds=1, groups_dropped=0,
+        groups_topped_up=0)
+
+
+def keep_groups_with_signal(first, sample, n, want, reward_range):
+    """DAPO's dynamic filtering: keep the groups (n consecutive samples) whose mean score is strictly inside
+    reward_range, drawing more rounds (sample() -> (batch, rewards, scores, logs, metrics), as `first`) until this
+    rank has `want` of them; after 10 rounds dropped groups top the share up. All ranks run the same rounds (ZeRO-3
+    generate). -> the kept (batch, rewards, logs), and the rounds' metrics summed, with groups_dropped and
+    groups_topped_up."""
+    lo, hi, rounds = *reward_range, [first]
     while True:
-        batch = sampler.draw()
-        t = time.time()
-        batch_rewards, scores, batch_logs = score(batch.records, batch, reward_fn, tokenizer, args)
-        metrics["reward_s"] += time.time() - t
-        metrics["generate_s"] += batch.generate_s
-        metrics["wait_s"] += batch.wait_s  # in step, or the time the producer's batch was not ready yet
-        metrics["rounds"] += 1
-        records += batch.records
-        responses += batch.responses
-        engine_logprobs += batch.logprobs or []
-        action_mask += batch.action_mask or []
-        rewards.append(batch_rewards)
-        logs.append({"score": scores, **batch_logs})
-        group_scores += scores.double().reshape(-1, n).mean(-1).tolist()  # [groups]
-        if not args.dynamic_filtering:
-            break
-        lo, hi = args.dynamic_filtering_reward_range
+        group_scores = [s for r in rounds for s in r[2].double().reshape(-1, n).mean(-1).tolist()]
         kept = [g for g, s in enumerate(group_scores) if lo < s < hi]
-        if metrics["rounds"] == 10 or not common.all_reduce_sum([float(len(kept) < want)])[0]:
+        (short,) = common.all_reduce_sum([float(len(kept) < want)])
+        if len(rounds) == 10 or not short:
             break
-    groups = range(len(group_scores))
-    if args.dynamic_filtering:
-        groups = (kept + [g for g in groups if g not in kept])[:want]
-        metrics.update(groups_dropped=len(group_scores) - len(kept), groups_topped_up=max(want - len(kept), 0))
+        rounds.append(sample())
+    groups = (kept + [g for g in range(len(group_scores)) if g not in kept])[:want]
     idx = [g * n + j for g in groups for j in range(n)]
-    kept_batch = rollout.Batch(responses=[responses[i] for i in idx], records=[records[i] for i in idx],
-                               logprobs=pad_sequence([engine_logprobs[i] for i in idx], batch_first=True).float()
-                               if engine_logprobs else None, version=batch.version,
-                               action_mask=[action_mask[i] for i in idx] if action_mask else None)
-    return (kept_batch, torch.cat(rewards)[idx], {k: torch.cat([x[k] for x in logs])[idx] for k in logs[0]},
-            metrics)
+    batch, rewards = rollout.Rollout.cat([r[0] for r in rounds]).select(idx), torch.cat([r[1] for r in rounds])[idx]
+    logs = {k: torch.cat([r[3][k] for r in rounds])[idx] for k in first[3]}
+    metrics = {k: sum(r[4][k] for r in rounds) for k in first[4]}
+    metrics.update(groups_dropped=len(group_scores) - len(kept), groups_topped_up=max(want - len(kept), 0))
+    return batch, rewards, logs, metrics
 
 
-# ---------------------------------------------------------------------------------------------- main
+# The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
+# (common.parse_args; "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_short: ~+23
+# points in 200 steps, ~80 s.
+DEFAULTS = {
+    "save_path":                  ("runs/grpo",  "runs/grpo"),
+    "dataset":                    (None,         "{toy}/prompts_train.jsonl"),
+    "eval_dataset":               (None,         "{toy}/prompts_test.jsonl"),
+    "label_key":                  (None,         "label"),
+    "remote_rm_url":              (None,         rollout.TOY_REWARD),
+    "max_samples":                (None,         6400),
+    "prompt_max_len":             (1024,         16),
+    "generate_max_len":           (1024,         8),
+    "rollout_batch_size":         (32,           32),
+    "n_samples_per_prompt":       (8,            8),
+    "micro_rollout_batch_size":   (8,            64),
+    "train_batch_size":           (256,          256),
+    "micro_train_batch_size":     (16,           64),
+    "learning_rate":              (1e-6,         5e-5),
+    "lr_warmup_ratio":            (0.03,         0.05),
+    "eval_steps":                 (-1,           50),
+}
+
+
 def parse_args():
     parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     rollout.add_rollout_args(parser)
@@ -264,20 +284,9 @@ def parse_args():
     a("--entropy_loss_coef", type=float, default=0.0, help="entropy bonus (0: off)")
     a("--aux_loss_coef", type=float, default=0.0, help="MoE router load-balancing loss weight (policy)")
     a("--actor_learning_rate", dest="learning_rate", type=float, help="same as --learning_rate")
-    parser.set_defaults(save_path="runs/grpo", learning_rate=1e-6, micro_train_batch_size=16, train_batch_size=256,
-                        n_samples_per_prompt=8, rollout_batch_size=32)
-    args = common.parse_args(parser, lambda root: dict(
-        dataset=str(root / "prompts_train.jsonl"), eval_dataset=str(root / "prompts_test.jsonl"),
-        label_key="label", remote_rm_url=TOY_REWARD,
-        prompt_max_len=16, generate_max_len=8,
-        # calibrated on 2 CPU cores from runs/sft_short (~33% held-out): ~+23 points in 200 steps, ~80 s
-        rollout_batch_size=32, n_samples_per_prompt=8, train_batch_size=256, micro_train_batch_size=64,
-        micro_rollout_batch_size=64, learning_rate=5e-5, lr_warmup_ratio=0.05, max_samples=6400, eval_steps=50))
-    if (args.reward_pretrain or args.agent_func_path) and args.remote_rm_url == TOY_REWARD:
+    args = common.parse_args(parser, DEFAULTS)
+    if (args.reward_pretrain or args.agent_func_path) and args.remote_rm_url == rollout.TOY_REWARD:
         args.remote_rm_url = None  # a reward model or an agent replaces the toy world's rule reward
-    if sum(x is not None for x in (args.remote_rm_url, args.reward_pretrain, args.agent_func_path)) != 1:
-        common.fail("give exactly one reward: --remote_rm_url (URL or .py file), --reward_pretrain or "
-                    "--agent_func_path")
     if args.advantage_estimator == "rloo" and args.n_samples_per_prompt < 2:
         common.fail("rloo needs --n_samples_per_prompt >= 2 (its baseline is the other samples)")
     if args.dual_clip is not None and args.dual_clip <= 1:
@@ -310,9 +319,9 @@ def main():
     common.init_distributed(args)
     start = time.time()
     tokenizer = common.load_tokenizer(args.pretrain, args)
-    pad_id = tokenizer.pad_token_id
-    prompts, eval_prompts, total_steps = rollout.load_prompt_sets(args, tokenizer, args.n_samples_per_prompt)
-    updates = args.rollout_batch_size * args.n_samples_per_prompt // args.train_batch_size * args.max_epochs
+    pad_id, n = tokenizer.pad_token_id, args.n_samples_per_prompt
+    prompts, eval_prompts, total_steps = rollout.load_prompt_sets(args, tokenizer, n)
+    updates = args.rollout_batch_size * n // args.train_batch_size * args.max_epochs
     cfg = common.ds_config(args)
     model = common.load_model(args.pretrain, args, tokenizer, cfg)
     common.enable_router_loss(model, args.aux_loss_coef)
@@ -320,21 +329,23 @@ def main():
     actor = common.setup_deepspeed(model, args, cfg, total_steps * updates)
     ref = common.load_frozen(args.pretrain, args, tokenizer, cfg) if args.init_kl_coef > 0 else None
     reward_fn = rollout.reward_fn(args, tokenizer, cfg, client)
-    start_step, state = common.load_checkpoint(actor, args, with_state=True)
-    # --vllm / --ray: vLLM engines fed the actor's weights (and again after every update); else HF generate.
-    # --async_steps N: the sampler's producer thread samples the next batches on the Ray engines while this process
-    # trains, on weights at most N steps old (the rollout correction covers that too)
+    start_step, state = common.load_checkpoint(actor, args)
+    # HF generate on the actor; --vllm / --ray: vLLM engines fed the actor's weights (and again after every update)
     engine = rollout.start_engine(args, actor.module, tokenizer, start_step)
-    sampler = rollout.Sampler(prompts, engine, args, state.get("prompt_cursor", 0), args.n_samples_per_prompt,
-                              total_steps - start_step)
+    # --async_steps N: the next batches are sampled on the Ray engines while this process trains, on weights at most
+    # N updates old (the rollout correction covers that too)
+    next_batch, release = rollout.batches(prompts, engine, n, args, state.get("prompt_cursor", 0),
+                                          total_steps - start_step)
 
-    def evaluate():  # the mean reward and the reward function's extra logs (the toy task's accuracy), pass@n
-        actor.module.eval()
-        return rollout.evaluate(eval_prompts, engine, eval_metrics, args)
-
-    def eval_metrics(records, samples):
-        rewards, _, logs = score(records, samples, reward_fn, tokenizer, args)
+    sample = lambda: sample_round(next_batch, reward_fn, args)  # noqa: E731
+    def eval_metrics(batch):  # the mean reward and the reward function's extra logs (the toy task's accuracy)
+        rewards, _, logs = score(batch, reward_fn, args)
         return {"reward": rewards, **dict(sorted(logs.items()))}
+
+    def evaluate():  # eval_metrics of completions of the eval prompts (pass@n with several a prompt)
+        actor.module.eval()
+        return rollout.evaluate(eval_prompts, engine, eval_metrics, args.eval_n_samples_per_prompt,
+                                args.eval_temperature)
 
     timed = ("generate_s", "wait_s", "train_s", "step_s")  # summed per step for eval_results.json
     logger, results = common.Logger(args, total_steps, start_step, timed), {}
@@ -346,18 +357,23 @@ def main():
     on_policy = updates == 1 and ref is None
     for step in range(start_step, total_steps):
         step_start = time.time()
-        # 1. rollout: sample groups, score them; the log-probs the update starts from (no gradients)
+        # 1. rollout: sample groups, score them (--dynamic_filtering: more rounds until the share is full of groups
+        #    with signal); the log-probs the update starts from (no gradients)
         actor.module.eval()
-        batch, rewards, logs, metrics = sample_groups(sampler, reward_fn, tokenizer, args)
+        batch, rewards, scores, logs, metrics = sample()
+        if args.dynamic_filtering:
+            batch, rewards, logs, metrics = keep_groups_with_signal(
+                (batch, rewards, scores, logs, metrics), sample, n, args.rollout_batch_size // dist.get_world_size(),
+                args.dynamic_filtering_reward_range)
         t = time.time()
-        pairs = [(r["ids"], response) for r, response in zip(batch.records, batch.responses)]  # N (prompt, response)
-        action_mask = pad_sequence(batch.action_mask or [torch.ones(len(r), dtype=torch.bool) for r in batch.responses],
-                                   batch_first=True)  # 0 on an agent's environment tokens
-        old_logprobs = None if on_policy else rollout.rollout_logprobs(actor.module, pairs, args, pad_id)  # [N, R]
-        ref_logprobs = rollout.rollout_logprobs(ref, pairs, args, pad_id) if ref is not None else None  # [N, R]
+        action_mask = batch.action_mask  # [N, R]: 0 on padding and on an agent's environment tokens
+        old_logprobs = None if on_policy else rollout.rollout_logprobs(  # [N, R]
+            actor.module, batch, pad_id, args.packing_samples, args.temperature, args.micro_rollout_batch_size)
+        ref_logprobs = None if ref is None else rollout.rollout_logprobs(  # [N, R]
+            ref, batch, pad_id, args.packing_samples, args.temperature, args.micro_rollout_batch_size)
 
         # 2. advantages: group statistics, the KL penalty when it is a reward, batch whitening (REINFORCE++)
-        advantages = group_advantages(rewards, args.n_samples_per_prompt, args.advantage_estimator,
+        advantages = group_advantages(rewards, n, args.advantage_estimator,
                                       std_norm=not args.no_advantage_std_norm)  # [N]
         kl = common.approx_kl(old_logprobs, ref_logprobs, args.kl_estimator) * action_mask if ref is not None \
             else torch.zeros(action_mask.shape)  # [N, R]
@@ -366,15 +382,16 @@ def main():
             advantages = common.masked_whiten(advantages, action_mask, across_ranks=True,
                                               std_norm=not args.no_advantage_std_norm)
 
-        # 3. update: --max_epochs passes over shuffled micro-batches; DeepSpeed steps the optimizer every
-        #    train_batch_size samples (gradient accumulation over micro-batches and ranks)
+        # 3. update: --max_epochs passes over shuffled micro-batches (index slices, each cut to its own longest
+        #    response); DeepSpeed steps the optimizer every train_batch_size samples (accumulation over micro-batches
+        #    and ranks)
         actor.module.train()
         stats = {k: [] for k in ("policy_loss", "clip_frac", "entropy", "engine_logprob_gap", "rollout_corrected_frac")}
         for epoch in range(args.max_epochs):
-            for mb in torch.randperm(len(pairs)).split(args.micro_train_batch_size):
+            for mb in torch.randperm(len(batch.records)).split(args.micro_train_batch_size):
                 # the entropy is logged; its graph is kept only when it is in the loss
                 logprobs, entropy, aux_loss = common.response_logprobs(
-                    actor, [pairs[j] for j in mb], pad_id, args.packing_samples, args.temperature, with_entropy=True,
+                    actor, batch.pairs(mb), pad_id, args.packing_samples, args.temperature, with_entropy=True,
                     entropy_grad=bool(args.entropy_loss_coef))  # [b, T]
                 T, device = logprobs.size(1), logprobs.device
                 mask = action_mask[mb, :T].to(device)
@@ -382,6 +399,7 @@ def main():
                 engine_lp = batch.logprobs[mb, :T].to(device) if batch.logprobs is not None else None
                 # GRPO's KL in the loss (--use_kl_loss), not in the reward
                 ref_lp = ref_logprobs[mb, :T].to(device) if args.use_kl_loss and ref is not None else None
+                # the per-token loss of --policy_loss_type (clipped_surrogate, cispo_loss, sapo_loss), aggregated
                 loss = policy_loss(logprobs, old, advantages[mb, :T].to(device), mask, args.eps_clip_low,
                                    args.eps_clip_high, args.dual_clip, ref_logprobs=ref_lp, rollout_logprobs=engine_lp,
                                    **loss_family(args))
@@ -399,34 +417,30 @@ def main():
                 if args.policy_loss_type != "sapo":  # SAPO's gate has no clip
                     stats["clip_frac"].append(common.masked_mean(clipped.float(), mask).item())
                 stats["entropy"].append(common.masked_mean(entropy.detach(), mask).item())
-                if epoch == 0:  # how far the engine is from the trainer, per response token, and the correction
-                    for k, v in rollout.engine_gap(engine_lp, old, mask, args).items():
+                if epoch == 0 and engine_lp is not None:  # how far the engine is from the trainer, and the correction
+                    for k, v in rollout.engine_gap(engine_lp, old, mask, args.rollout_correction,
+                                                   args.rollout_correction_bounds).items():
                         stats[k].append(v)
 
         # 4. weight sync: the rollout engines generate with the updated policy from the next step on
         t_sync = time.time()
         engine.sync(actor.module, version=step + 1)
-        sampler.synced()  # the batch sampled from here on may use these weights
+        release()  # --async_steps: the batch sampled from here on may use these weights
         metrics.update(vllm_sync_s=time.time() - t_sync, train_s=time.time() - t)
 
         # 5. log (means over all ranks), save, eval
         metrics["step_s"] = time.time() - step_start  # rollout (or waiting for it), update, sync
-        if args.async_steps:  # how many updates behind the weights that sampled this step's batch were
-            metrics["staleness"] = [float(step - batch.version)]
         lengths = action_mask.sum(-1).tolist()
         out = common.all_reduce_means({
             "reward": rewards.tolist(), "response_len": lengths, **logs, **metrics,
-            "kl": [kl[i, :n].mean().item() for i, n in enumerate(lengths)],
+            "kl": [kl[i, :length].mean().item() for i, length in enumerate(lengths)],
             **{k: torch.cat(v) if v and torch.is_tensor(v[0]) else v for k, v in stats.items()}},
             stds={"reward": rewards})
-        if args.async_steps:
-            out["staleness_max"] = common.all_reduce_max(metrics["staleness"])[0]
-        if args.agent_func_path:  # the longest episode (turns' mean is in the logs)
-            out["turns_max"] = common.all_reduce_max([logs["turns"].max().item()])[0]
+        out.update(rollout.lag_and_turns(batch, step, logs, args.async_steps, args.agent_func_path))
         out["lr"] = actor.get_lr()[0]
         logger.log(step + 1, out)
         if common.due(args.save_steps, step + 1):
-            common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": sampler.trained_cursor})
+            common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": batch.cursor})
         if eval_prompts and common.due(args.eval_steps, step + 1, total_steps):
             common.log_eval(logger, step + 1, evaluate())
 

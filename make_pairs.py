@@ -83,7 +83,7 @@ def main():
     # what common's loaders and rollout's engines and reward clients read, fixed here
     p.set_defaults(flash_attn=False, load_in_4bit=False, enforce_eager=False, enable_prefix_caching=False,
                    vllm_gpu_memory_utilization=None, vllm_tensor_parallel_size=1, zero_stage=0, remote_rm_timeout=60.0,
-                   remote_rm_retries=3)
+                   remote_rm_retries=3, agent_func_path=None)
     common.quiet_libraries()
     args = p.parse_args()
     if (args.remote_rm_url is None) == (args.reward_pretrain is None):
@@ -106,23 +106,26 @@ def main():
     samples = [r for r in prompts for _ in range(n)]
     t = time.time()
     if args.vllm:
+        import engines
         try:
-            engine = rollout.VLLMHost(args, policy.config.vocab_size, policy.config.tie_word_embeddings, args.seed,
+            engine = engines.VLLMHost(args, policy.config.vocab_size, policy.config.tie_word_embeddings, args.seed,
                                       memory=0.9)
         except Exception as e:  # vLLM's reason (a context longer than the model's, ...) in one line, not a traceback
             common.fail(f"--vllm: the engine failed to start: {' '.join(str(e).split())[:300]}")
-        engine.load_weights([(name, p.detach()) for name, p in rollout.engine_params(policy)])
-        responses, _ = engine.generate([r["ids"] for r in samples],
-                                       **rollout.vllm_sampling(args, tokenizer.eos_token_id, args.temperature))
+        engine.load_weights([(name, p.detach()) for name, p in engines.engine_params(policy)])
+        responses, _ = engine.generate([r["ids"] for r in samples], **engines.vllm_sampling(
+            tokenizer.eos_token_id, args.temperature, args.top_p, args.generate_max_len))
     else:
-        responses = rollout.generate_hf(policy, [r["ids"] for r in samples], args, tokenizer, args.temperature)
+        responses = rollout.generate_hf(policy, tokenizer, [r["ids"] for r in samples], args.temperature, args.top_p,
+                                        args.generate_max_len, args.micro_rollout_batch_size)
     generate_s, t = time.time() - t, time.time()
 
     # 2. judge every completion: the text a labeller reads, or the reward model's score at its EOS
-    sampled = rollout.Samples(responses)
-    scores = rollout.reward_fn(args, tokenizer, None, client)(samples, sampled)[0].tolist()
+    batch = rollout.Rollout.of(samples, responses, tokenizer.eos_token_id)
+    scores, _, _ = rollout.reward_fn(args, tokenizer, None, client)(batch)
+    scores = scores.tolist()
     completions = [tokenizer.decode(r, skip_special_tokens=True) for r in responses]
-    stopped = rollout.stopped(sampled, tokenizer).tolist()
+    stopped = batch.stopped.tolist()
     judge_s = time.time() - t
 
     # 3. pairs: the best against the worst completion of each prompt, or (--pairs all) every two that differ

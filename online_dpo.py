@@ -19,7 +19,6 @@ same forwards whatever its number of ties (dpo.micro_batches, dpo.train_on_pairs
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 
@@ -27,18 +26,16 @@ import common
 import dpo
 import rollout
 
-TOY_REWARD = str(Path(__file__).resolve().parent / "toy.py")  # its reward_func checks the toy task's answers
-
-
 def rank_pairs(batch, scores):
-    """A batch of two samples per prompt (consecutive) and their scores [2N] -> (prompt, chosen, rejected) pairs,
+    """A Rollout of two samples per prompt (consecutive) and their scores [2N] -> (prompt, chosen, rejected) pairs,
     chosen the higher score, with their scores [P, 2]; and the ties: prompts whose two samples scored the same or are
     the same completion (no preference: not trained on)."""
     pairs, pair_scores, ties = [], [], []
-    for i in range(0, len(batch.records), 2):
+    samples = batch.pairs()  # (prompt, response)
+    for i in range(0, len(samples), 2):
         first, second = (i, i + 1) if scores[i] >= scores[i + 1] else (i + 1, i)
-        triple = (batch.records[i]["ids"], batch.responses[first], batch.responses[second])
-        if scores[i] == scores[i + 1] or torch.equal(batch.responses[i], batch.responses[i + 1]):
+        triple = (samples[i][0], samples[first][1], samples[second][1])
+        if scores[i] == scores[i + 1] or torch.equal(samples[i][1], samples[i + 1][1]):
             ties.append(triple)
         else:
             pairs.append(triple)
@@ -46,19 +43,30 @@ def rank_pairs(batch, scores):
     return pairs, torch.tensor(pair_scores).reshape(-1, 2), ties
 
 
+# The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
+# (common.parse_args; "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_short (README).
+DEFAULTS = {
+    "save_path":                  ("runs/online_dpo", "runs/online_dpo"),
+    "dataset":                    (None,              "{toy}/prompts_train.jsonl"),
+    "eval_dataset":               (None,              "{toy}/prompts_test.jsonl"),
+    "label_key":                  (None,              "label"),
+    "eval_reward_func":           (None,              rollout.TOY_REWARD),
+    "prompt_max_len":             (1024,              16),
+    "generate_max_len":           (1024,              8),
+    "micro_rollout_batch_size":   (8,                 128),
+    "num_episodes":               (1,                 4),
+    "micro_train_batch_size":     (8,                 64),
+    "learning_rate":              (5e-7,              1e-4),
+    "lr_warmup_ratio":            (0.03,              0.05),
+}
+
+
 def parse_args():
     parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     rollout.add_rollout_args(parser, policy_gradient=False)
     dpo.add_dpo_args(parser)
-    parser.add_argument("--eval_reward_func", default=None,
-                        help="a reward_func .py file scoring eval completions (logged)")
-    parser.set_defaults(save_path="runs/online_dpo", learning_rate=5e-7, train_batch_size=64, micro_train_batch_size=8)
-    args = common.parse_args(parser, lambda root: dict(
-        # calibrated on 2 CPU cores from runs/sft_short: see README
-        dataset=str(root / "prompts_train.jsonl"), eval_dataset=str(root / "prompts_test.jsonl"),
-        label_key="label", eval_reward_func=TOY_REWARD, prompt_max_len=16, generate_max_len=8,
-        rollout_batch_size=64, train_batch_size=64, micro_train_batch_size=64, micro_rollout_batch_size=128,
-        learning_rate=1e-4, lr_warmup_ratio=0.05, beta=0.1, num_episodes=4))
+    parser.add_argument("--eval_reward_func", help="a reward_func .py file scoring eval completions (logged)")
+    args = common.parse_args(parser, DEFAULTS)
     dpo.check_dpo_args(args)
     if (args.remote_rm_url is None) == (args.reward_pretrain is None):
         common.fail("online DPO ranks each prompt's two samples by a reward: give exactly one of --reward_pretrain "
@@ -86,15 +94,15 @@ def main():
     common.disable_dropout(model)  # the policy and the reference compared as the same function
     actor = common.setup_deepspeed(model, args, cfg, total_steps * updates * args.max_epochs)
     reference = dpo.load_reference(actor, args, tokenizer, cfg)
-    start_step, state = common.load_checkpoint(actor, args, with_state=True)
+    start_step, state = common.load_checkpoint(actor, args)
     reward_fn = rollout.reward_fn(args, tokenizer, cfg, client)
-    # --vllm / --ray: vLLM engines fed the policy's weights (and again after every step); else HF generate
+    # HF generate on the policy; --vllm / --ray: vLLM engines fed its weights (and again after every step)
     engine = rollout.start_engine(args, actor.module, tokenizer, start_step)
-    sampler = rollout.Sampler(prompts, engine, args, state.get("prompt_cursor", 0), 2, total_steps - start_step)
+    next_batch, _ = rollout.batches(prompts, engine, 2, args, state.get("prompt_cursor", 0), total_steps - start_step)
 
     def evaluate():  # a greedy completion of each eval prompt: the reward's mean, --eval_reward_func's (toy: accuracy)
         actor.module.eval()
-        return rollout.evaluate(eval_prompts, engine, rollout.eval_rewards(reward_fn, eval_fn, tokenizer), args)
+        return rollout.evaluate(eval_prompts, engine, rollout.eval_rewards(reward_fn, eval_fn, tokenizer))
 
     timed = ("generate_s", "reward_s", "ref_s", "train_s", "sync_s", "step_s")  # summed for eval_results.json
     logger, results = common.Logger(args, total_steps, start_step, timed), {}
@@ -105,12 +113,10 @@ def main():
         # 1. rollout: two samples of each of this rank's prompts from the current policy, scored; chosen = the higher,
         #    ties dropped
         actor.module.eval()
-        batch = sampler.draw()
+        batch = next_batch()
         t = time.time()
-        scores, _, extra_logs = reward_fn(batch.records, batch)  # [2N]
-        stopped = rollout.stopped(batch, tokenizer)
-        if args.non_stop_penalty is not None:  # a completion cut off at --generate_max_len gets a fixed score
-            scores = torch.where(stopped, scores, torch.tensor(args.non_stop_penalty, dtype=scores.dtype))
+        scores, _, extra_logs = reward_fn(batch)  # [2N]
+        scores = rollout.penalize_unfinished(scores, batch.stopped, args.non_stop_penalty)
         pairs, pair_scores, ties = rank_pairs(batch, scores)
         metrics = {"generate_s": batch.generate_s, "reward_s": time.time() - t}
         filler = (pairs + ties)[0]  # what an empty micro-batch runs, with weight 0 (ZeRO-3 runs every forward)
@@ -138,8 +144,8 @@ def main():
         metrics["step_s"] = time.time() - step_start
         stats.update({"objective/non_score_reward": [-args.beta * x for x in stats["objective/kl"]],
                       "objective/entropy": [-x for x in stats["logps/chosen"] + stats["logps/rejected"]]})
-        logs = {"objective/scores": scores, "val/sequence_lengths": [float(len(r)) for r in batch.responses],
-                "val/stopped": stopped.float(), **extra_logs, "objective/scores_margin": pair_scores[:, 0] -
+        logs = {"objective/scores": scores, "val/sequence_lengths": batch.lengths.tolist(),
+                "val/stopped": batch.stopped.float(), **extra_logs, "objective/scores_margin": pair_scores[:, 0] -
                 pair_scores[:, 1], "pairs_tied": [float(len(ties))], "pairs_trained": [float(len(pairs))]}
         out = common.all_reduce_means({**logs, **stats, **metrics})
         out["pairs_tied"], out["pairs_trained"] = out["pairs_tied"] * world, out["pairs_trained"] * world  # totals
@@ -147,7 +153,7 @@ def main():
         out["lr"] = actor.get_lr()[0]
         logger.log(step + 1, out)
         if common.due(args.save_steps, step + 1):
-            common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": sampler.trained_cursor})
+            common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": batch.cursor})
         if eval_prompts and common.due(args.eval_steps, step + 1, total_steps):
             common.log_eval(logger, step + 1, evaluate())
 

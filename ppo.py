@@ -19,7 +19,7 @@ correctness) beside the training reward.
 
 The implementation details of open-instruct / "The N+ Implementation Details of RLHF", each where it
 happens: dropout off (common.disable_dropout), prompts left-padded for generation (rollout.generate_hf), the
-response ends at its EOS (rollout.generate_hf, rollout.vllm_sampling), a fixed reward for completions without
+response ends at its EOS (rollout.generate_hf, engines.vllm_sampling), a fixed reward for completions without
 EOS (score, --non_stop_penalty), the critic's value head initialised small when it starts from a causal LM
 (init_value_head), the reward read at EOS and the KL penalty on every response token (kl_penalized_rewards),
 advantages whitened.
@@ -28,7 +28,6 @@ advantages whitened.
 import argparse
 import math
 import time
-from pathlib import Path
 
 import deepspeed
 import torch
@@ -37,9 +36,6 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 
 import common
 import rollout
-
-TOY_REWARD = str(Path(__file__).resolve().parent / "toy.py")  # its reward_func checks the toy task's answers
-
 
 # ------------------------------------------------------------------------------------------------ math
 def kl_penalized_rewards(scores, kl, action_mask, kl_coef):
@@ -83,8 +79,9 @@ def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip=0.2, d
     if rollout_correction is not None:
         if rollout_logprobs is None:
             raise ValueError("rollout_correction needs rollout_logprobs")
-        loss = loss * rollout.rollout_correction_weights(old_logprobs, rollout_logprobs, action_mask,
-                                                         rollout_correction, rollout_correction_bounds)[0]
+        weights, _ = rollout.rollout_correction_weights(old_logprobs, rollout_logprobs, action_mask,
+                                                        rollout_correction, rollout_correction_bounds)
+        loss = loss * weights
     return common.masked_mean(torch.where(action_mask.bool(), loss, 0.0), action_mask)
 
 
@@ -105,33 +102,40 @@ def adaptive_kl_coef(kl_coef, kl, target, horizon, n_samples):
 
 
 # ------------------------------------------------------------------------------------------- rollout
-def score(records, samples, reward_fn, tokenizer, args):
+def score(batch, reward_fn, args):
     """Each completion's score [N] (--non_stop_penalty for one cut at --generate_max_len, then clipped to
-    --reward_clip_range), the reward's extra logs, and which completions stopped [N]."""
-    scores, _, extra_logs = reward_fn(records, samples)
-    stopped = rollout.stopped(samples, tokenizer)
-    if args.non_stop_penalty is not None:
-        scores = torch.where(stopped, scores, torch.tensor(args.non_stop_penalty))
-    return scores.clamp(*args.reward_clip_range), extra_logs, stopped
+    --reward_clip_range) and the reward's extra logs."""
+    scores, _, extra_logs = reward_fn(batch)
+    scores = rollout.penalize_unfinished(scores, batch.stopped, args.non_stop_penalty)
+    return scores.clamp(*args.reward_clip_range), extra_logs
 
 
 # --------------------------------------------------------------------------------------------- critic
-def critic_values(critic, batch, args, pad_id):
+def critic_values(critic, batch, pad_id, packing):
     """The value head, visible: the classifier's `score` layer applied at every position (not just the
-    last, as a reward model reads it), taken where the state before each response token ends. -> [B, R]."""
-    inputs, where = common.response_inputs(critic, batch, pad_id, args.packing_samples)  # padded or packed
+    last, as a reward model reads it), taken where the state before each response token ends. batch:
+    (prompt, response) pairs. -> [B, R]."""
+    inputs, where = common.response_inputs(critic, batch, pad_id, packing)  # padded or packed
     hidden = getattr(critic, critic.base_model_prefix)(**inputs).last_hidden_state
     values = critic.score(hidden).squeeze(-1).float()[where]  # [sum R]
     return pad_sequence(values.split([len(r) for _, r in batch]), batch_first=True)
 
 
-@torch.no_grad()
-def rollout_values(critic, batch, args, pad_id):
-    """critic_values of a whole rollout, in chunks of --micro_rollout_batch_size: [N, R] on the CPU."""
-    rows, m = [], args.micro_rollout_batch_size
-    for i in range(0, len(batch), m):
-        rows += list(critic_values(critic, batch[i:i + m], args, pad_id).cpu())
-    return pad_sequence(rows, batch_first=True)
+def rollout_values(critic, batch, pad_id, packing, chunk_size):
+    """critic_values of a whole rollout (no gradients), in chunks of `chunk_size`: [N, R] on the CPU."""
+    return rollout.per_token(lambda chunk: critic_values(critic, chunk, pad_id, packing), batch, chunk_size)
+
+
+def critic_step(critic, pairs, old_values, returns, action_mask, pad_id, packing, value_clip):
+    """One value-loss step of the critic on a micro-batch (pairs, and its rows of the rollout's values, returns and
+    action mask [b, R]) -> (the loss, the fraction of values clipped)."""
+    new_values = critic_values(critic, pairs, pad_id, packing)  # [b, T]
+    T, device = new_values.size(1), new_values.device
+    mask, old = action_mask[:, :T].to(device), old_values[:, :T].to(device)
+    loss = value_loss(new_values, old, returns[:, :T].to(device), mask, value_clip)
+    critic.backward(loss)
+    critic.step()
+    return loss.item(), common.masked_mean(((new_values.detach() - old).abs() > value_clip).float(), mask).item()
 
 
 def init_value_head(critic, path, args):
@@ -153,14 +157,33 @@ def load_critic(path, args, tokenizer, cfg, num_training_steps):
     return common.setup_deepspeed(model, args, cfg, num_training_steps, learning_rate=args.critic_learning_rate)
 
 
-# ---------------------------------------------------------------------------------------------- main
+# The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
+# (common.parse_args; "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_short and
+# runs/rm with --normalize_reward (README).
+DEFAULTS = {
+    "save_path":                  ("runs/ppo",   "runs/ppo"),
+    "dataset":                    (None,         "{toy}/prompts_train.jsonl"),
+    "eval_dataset":               (None,         "{toy}/prompts_test.jsonl"),
+    "label_key":                  (None,         "label"),
+    "eval_reward_func":           (None,         rollout.TOY_REWARD),
+    "prompt_max_len":             (1024,         16),
+    "generate_max_len":           (1024,         8),
+    "micro_rollout_batch_size":   (8,            64),
+    "micro_train_batch_size":     (16,           64),
+    "learning_rate":              (1e-6,         1e-5),
+    "critic_learning_rate":       (9e-6,         1e-4),
+    "lr_warmup_ratio":            (0.03,         0.05),
+    "eval_steps":                 (-1,           25),
+}
+
+
 def parse_args():
     parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     rollout.add_rollout_args(parser)
     a = parser.add_argument
     # models and rewards
     a("--critic_pretrain", default=None, help="critic start (default: the reward model, else the actor)")
-    a("--eval_reward_func", default=None, help="a reward_func .py file scoring eval completions only (logged)")
+    a("--eval_reward_func", help="a reward_func .py file scoring eval completions only (logged)")
     a("--normalize_reward", action="store_true", help="(r - mean) / std with the RM config's mean and std")
     a("--reward_clip_range", type=float, nargs=2, default=(-10.0, 10.0), metavar=("LO", "HI"))
     a("--ref_reward_offload", action="store_true", help="keep the frozen models on the CPU between uses")
@@ -178,21 +201,12 @@ def parse_args():
     a("--entropy_loss_coef", type=float, default=0.0, help="entropy bonus (0: off)")
     a("--aux_loss_coef", type=float, default=0.0, help="MoE router load-balancing loss weight (actor)")
     a("--actor_learning_rate", dest="learning_rate", type=float, help="same as --learning_rate")
-    a("--critic_learning_rate", type=float, default=9e-6)
+    a("--critic_learning_rate", type=float)
     a("--freezing_actor_steps", type=int, default=0, help="train only the critic for the first N steps")
     a("--save_value_network", action="store_true", help="also save the critic, to <save_path>_critic")
-    parser.set_defaults(save_path="runs/ppo", learning_rate=1e-6, micro_train_batch_size=16, train_batch_size=64)
-    args = common.parse_args(parser, lambda root: dict(
-        dataset=str(root / "prompts_train.jsonl"), eval_dataset=str(root / "prompts_test.jsonl"),
-        label_key="label", eval_reward_func=TOY_REWARD, prompt_max_len=16, generate_max_len=8,
-        # calibrated on 2 CPU cores from runs/sft_short and runs/rm (--normalize_reward): see README
-        rollout_batch_size=64, train_batch_size=64, micro_train_batch_size=64, micro_rollout_batch_size=64,
-        learning_rate=1e-5, critic_learning_rate=1e-4, lr_warmup_ratio=0.05, init_kl_coef=0.01, eval_steps=25))
-    if args.agent_func_path and args.eval_reward_func == TOY_REWARD:
+    args = common.parse_args(parser, DEFAULTS)
+    if args.agent_func_path and args.eval_reward_func == rollout.TOY_REWARD:
         args.eval_reward_func = None  # the agent scores its eval episodes
-    if sum(x is not None for x in (args.remote_rm_url, args.reward_pretrain, args.agent_func_path)) != 1:
-        common.fail("give exactly one reward: --reward_pretrain, --remote_rm_url (URL or .py file) or "
-                    "--agent_func_path")
     if args.normalize_reward and not args.reward_pretrain:
         common.fail("--normalize_reward reads mean/std from the reward model's config: it needs --reward_pretrain")
     if args.dual_clip is not None and args.dual_clip <= 1:
@@ -208,9 +222,9 @@ def main():
     common.init_distributed(args)
     start = time.time()
     tokenizer = common.load_tokenizer(args.pretrain, args)
-    pad_id = tokenizer.pad_token_id
-    prompts, eval_prompts, total_steps = rollout.load_prompt_sets(args, tokenizer, args.n_samples_per_prompt)
-    samples_per_step = args.rollout_batch_size * args.n_samples_per_prompt
+    pad_id, n = tokenizer.pad_token_id, args.n_samples_per_prompt
+    prompts, eval_prompts, total_steps = rollout.load_prompt_sets(args, tokenizer, n)
+    samples_per_step = args.rollout_batch_size * n
     updates = samples_per_step // args.train_batch_size * args.max_epochs * total_steps
     cfg = common.ds_config(args)
     model = common.load_model(args.pretrain, args, tokenizer, cfg)
@@ -220,20 +234,22 @@ def main():
     critic = load_critic(args.critic_pretrain or args.reward_pretrain or args.pretrain, args, tokenizer, cfg, updates)
     offload = args.ref_reward_offload  # whole frozen models on the CPU (partitions under ZeRO-3), moved for each use
     ref = common.load_frozen(args.pretrain, args, tokenizer, cfg, offload) if args.init_kl_coef > 0 else None
-    reward_fn = rollout.reward_fn(args, tokenizer, cfg, client, offload)
-    start_step, state = common.load_checkpoint(actor, args, with_state=True, others={"critic": critic})
+    reward_fn = rollout.reward_fn(args, tokenizer, cfg, client, offload, args.normalize_reward)
+    start_step, state = common.load_checkpoint(actor, args, others={"critic": critic})
     kl_coef = state.get("kl_coef", args.init_kl_coef)
-    # --vllm / --ray: vLLM engines fed the actor's weights (and again after every update); else HF generate;
-    # --async_steps N: the next batches are sampled on the Ray engines while this process trains. A version counts
-    # the actor updates in the weights (none while --freezing_actor_steps train the critic).
+    # HF generate on the actor; --vllm / --ray: vLLM engines fed the actor's weights (and again after every update).
+    # A version counts the actor updates in the weights (none while --freezing_actor_steps train the critic).
     actor_version = lambda step: max(step - args.freezing_actor_steps, 0)  # noqa: E731  (at the step's start)
     engine = rollout.start_engine(args, actor.module, tokenizer, actor_version(start_step))
-    sampler = rollout.Sampler(prompts, engine, args, state.get("prompt_cursor", 0), args.n_samples_per_prompt,
-                              total_steps - start_step)
+    # --async_steps N: the next batches are sampled on the Ray engines while this process trains, on weights at most
+    # N updates old (the rollout correction covers that too)
+    next_batch, release = rollout.batches(prompts, engine, n, args, state.get("prompt_cursor", 0),
+                                          total_steps - start_step)
 
     def evaluate():  # the training reward's mean, --eval_reward_func's mean and extra logs (toy: accuracy), pass@n
         actor.module.eval()
-        return rollout.evaluate(eval_prompts, engine, rollout.eval_rewards(reward_fn, eval_fn, tokenizer), args,
+        return rollout.evaluate(eval_prompts, engine, rollout.eval_rewards(reward_fn, eval_fn, tokenizer),
+                                args.eval_n_samples_per_prompt, args.eval_temperature,
                                 pass_key="rule_reward" if eval_fn else "reward")
 
     timed = ("generate_s", "wait_s", "forward_s", "train_s", "sync_s", "step_s")  # summed for eval_results.json
@@ -245,48 +261,50 @@ def main():
         # 1. rollout: sample, score, and what the update starts from: log-probs, values, the reference's KL
         actor.module.eval()
         critic.module.eval()
-        batch = sampler.draw()
-        engine_logprobs = pad_sequence(batch.logprobs, batch_first=True).float() if batch.logprobs else None  # [N, R]
-        metrics = {"generate_s": batch.generate_s, "wait_s": batch.wait_s}  # generating, waiting for it
+        batch = next_batch()
         t = time.time()
-        scores, extra_logs, stopped = score(batch.records, batch, reward_fn, tokenizer, args)  # [N]
-        pairs = [(r["ids"], response) for r, response in zip(batch.records, batch.responses)]  # N (prompt, response)
-        action_mask = pad_sequence(batch.action_mask or [torch.ones(len(r), dtype=torch.bool) for r in batch.responses],
-                                   batch_first=True)  # 0 on an agent's environment tokens
-        old_logprobs = rollout.rollout_logprobs(actor.module, pairs, args, pad_id, share_prompts=False)  # [N, R]
-        values = rollout_values(critic.module, pairs, args, pad_id)  # [N, R]
+        metrics = {"generate_s": batch.generate_s, "wait_s": t - step_start}  # generating, waiting for it
+        scores, extra_logs = score(batch, reward_fn, args)  # [N]
+        action_mask = batch.action_mask  # [N, R]: 0 on padding and on an agent's environment tokens
+        old_logprobs = rollout.rollout_logprobs(actor.module, batch, pad_id, args.packing_samples, args.temperature,
+                                                args.micro_rollout_batch_size, share_prompts=False)  # [N, R]
+        values = rollout_values(critic.module, batch, pad_id, args.packing_samples, args.micro_rollout_batch_size)
         kl = torch.zeros(action_mask.shape)  # [N, R]
         if ref is not None:
             with common.on_accelerator(ref, offload and args.zero_stage != 3) as model:
-                ref_logprobs = rollout.rollout_logprobs(model, pairs, args, pad_id, share_prompts=False)
+                ref_logprobs = rollout.rollout_logprobs(model, batch, pad_id, args.packing_samples, args.temperature,
+                                                        args.micro_rollout_batch_size, share_prompts=False)
             kl = common.approx_kl(old_logprobs, ref_logprobs, args.kl_estimator) * action_mask
 
         # 2. per-token rewards (score at EOS, KL penalty on every token), GAE, whitened advantages
         rewards = kl_penalized_rewards(scores, kl, action_mask, kl_coef)  # [N, R]
-        feedback = pad_sequence([~m for m in batch.action_mask], batch_first=True) if batch.action_mask else None
-        advantages, returns = compute_gae(rewards, values, action_mask, args.gamma, args.lambd, skip=feedback)
+        environment = batch.response_mask & ~action_mask  # an agent's feedback tokens: GAE steps over them
+        advantages, returns = compute_gae(rewards, values, action_mask, args.gamma, args.lambd, skip=environment)
         advantages = common.masked_whiten(advantages, action_mask, across_ranks=True,
                                           std_norm=not args.no_advantage_std_norm)
-        engine_stats = rollout.engine_gap(engine_logprobs, old_logprobs, action_mask, args)  # per response token
+        engine_stats = {} if batch.logprobs is None else rollout.engine_gap(  # per response token
+            batch.logprobs, old_logprobs, action_mask, args.rollout_correction, args.rollout_correction_bounds)
         metrics["forward_s"] = time.time() - t
 
-        # 3. update: --max_epochs passes over shuffled micro-batches; each engine steps its optimizer every
-        #    train_batch_size samples (gradient accumulation over micro-batches and ranks)
+        # 3. update: --max_epochs passes over shuffled micro-batches (index slices, each cut to its own longest
+        #    response); each engine steps its optimizer every train_batch_size samples (accumulation over
+        #    micro-batches and ranks)
         t = time.time()
         train_actor = step >= args.freezing_actor_steps
         actor.module.train()
         critic.module.train()
         stats = {k: [] for k in ("policy_loss", "clip_frac", "entropy", "value_loss", "value_clip_frac")}
         for _ in range(args.max_epochs):
-            for mb in torch.randperm(len(pairs)).split(args.micro_train_batch_size):
+            for mb in torch.randperm(len(batch.records)).split(args.micro_train_batch_size):
+                pairs = batch.pairs(mb)
                 if train_actor:
                     # the entropy is logged; its graph is kept only when it is in the loss
                     logprobs, entropy, aux_loss = common.response_logprobs(
-                        actor, [pairs[j] for j in mb], pad_id, args.packing_samples, args.temperature,
-                        with_entropy=True, entropy_grad=bool(args.entropy_loss_coef), share_prompts=False)
+                        actor, pairs, pad_id, args.packing_samples, args.temperature, with_entropy=True,
+                        entropy_grad=bool(args.entropy_loss_coef), share_prompts=False)  # [b, T]
                     T, device = logprobs.size(1), logprobs.device
                     mask, old = action_mask[mb, :T].to(device), old_logprobs[mb, :T].to(device)
-                    engine_lp = engine_logprobs[mb, :T].to(device) if engine_logprobs is not None else None
+                    engine_lp = batch.logprobs[mb, :T].to(device) if batch.logprobs is not None else None
                     loss = policy_loss(logprobs, old, advantages[mb, :T].to(device), mask, args.eps_clip,
                                        args.dual_clip, rollout_logprobs=engine_lp,
                                        rollout_correction=args.rollout_correction,
@@ -302,47 +320,38 @@ def main():
                     stats["clip_frac"].append(common.masked_mean(((ratio - 1).abs() > args.eps_clip).float(),
                                                                  mask).item())
                     stats["entropy"].append(common.masked_mean(entropy.detach(), mask).item())
-                new_values = critic_values(critic, [pairs[j] for j in mb], args, pad_id)  # [b, T]
-                T, device = new_values.size(1), new_values.device
-                mask, old = action_mask[mb, :T].to(device), values[mb, :T].to(device)
-                loss = value_loss(new_values, old, returns[mb, :T].to(device), mask, args.value_clip)
-                critic.backward(loss)
-                critic.step()
-                stats["value_loss"].append(loss.item())
-                stats["value_clip_frac"].append(
-                    common.masked_mean(((new_values.detach() - old).abs() > args.value_clip).float(), mask).item())
+                loss, clip_frac = critic_step(critic, pairs, values[mb], returns[mb], action_mask[mb], pad_id,
+                                              args.packing_samples, args.value_clip)
+                stats["value_loss"].append(loss)
+                stats["value_clip_frac"].append(clip_frac)
         metrics["train_s"] = time.time() - t
 
         # 4. weight sync: the rollout engines generate with the updated actor from the next step on
         t = time.time()
         if train_actor:
             engine.sync(actor.module, version=actor_version(step + 1))
-        sampler.synced()  # the batch sampled from here on may use these weights
+        release()  # --async_steps: the batch sampled from here on may use these weights
         metrics["sync_s"] = time.time() - t
 
         # 5. log (means over all ranks), adaptive KL, save, eval
         metrics["step_s"] = time.time() - step_start  # rollout (or waiting for it), update, sync
-        if args.async_steps:  # how many actor updates behind the weights that sampled this step's batch were
-            metrics["staleness"] = [float(actor_version(step) - batch.version)]
         lengths = action_mask.sum(-1).tolist()
         out = common.all_reduce_means(
-            {"reward": scores, **extra_logs, "kl": [kl[i, :n].sum().item() for i, n in enumerate(lengths)],
-             "response_len": lengths, "stopped": stopped.float(), **stats, **engine_stats, **metrics},
+            {"reward": scores, **extra_logs, "kl": [kl[i, :length].sum().item() for i, length in enumerate(lengths)],
+             "response_len": lengths, "stopped": batch.stopped.float(), **stats, **engine_stats, **metrics},
             stds={"reward": scores, "returns": returns[action_mask], "return_error": (returns - values)[action_mask]})
         error_var, returns_var = out.pop("return_error_std") ** 2, out.pop("returns_std") ** 2
         out.update(explained_var=1 - error_var / max(returns_var, 1e-8), kl_coef=kl_coef,
                    actor_lr=actor.get_lr()[0], critic_lr=critic.get_lr()[0])
-        if args.async_steps:
-            out["staleness_max"] = common.all_reduce_max(metrics["staleness"])[0]
-        if args.agent_func_path:  # the longest episode (turns' mean is in the logs)
-            out["turns_max"] = common.all_reduce_max([extra_logs["turns"].max().item()])[0]
+        out.update(rollout.lag_and_turns(batch, actor_version(step), extra_logs, args.async_steps,
+                                         args.agent_func_path))
         logger.log(step + 1, out)
         if args.kl_target is not None:
             kl_coef = adaptive_kl_coef(kl_coef, out["kl"], args.kl_target, args.kl_horizon, samples_per_step)
         if common.due(args.save_steps, step + 1):
             # the stream's position after the batch trained on, not after those --async_steps sampled ahead
             common.save_checkpoint(actor, args, step + 1, others={"critic": critic},
-                                   extra={"prompt_cursor": sampler.trained_cursor, "kl_coef": kl_coef})
+                                   extra={"prompt_cursor": batch.cursor, "kl_coef": kl_coef})
         if eval_prompts and common.due(args.eval_steps, step + 1, total_steps):
             common.log_eval(logger, step + 1, evaluate())
 

@@ -179,6 +179,21 @@ def evaluate(engine, data, reward_ids, placeholder_id, pad_id, args):
     return {"loss": loss_sum / steps, "step_acc": step_correct / steps, "solution_acc": solution_correct / solutions}
 
 
+# The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
+# (common.parse_args; "{toy}" is its directory).
+DEFAULTS = {
+    "save_path":                  ("runs/prm",   "runs/prm"),
+    "dataset":                    (None,         "{toy}/prm_train.jsonl"),
+    "eval_dataset":               (None,         "{toy}/prm_test.jsonl"),
+    "max_len":                    (512,          64),
+    "max_epochs":                 (1,            6),
+    "train_batch_size":           (64,           32),
+    "micro_train_batch_size":     (8,            32),
+    "learning_rate":              (2e-6,         3e-4),
+    "lr_warmup_ratio":            (0.03,         0.1),
+}
+
+
 def main():
     parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     parser.add_argument("--label_key", default="label")
@@ -186,11 +201,7 @@ def main():
     parser.add_argument("--reward_tokens", nargs="+", default=["+", "-"], help="good first, then bad")
     parser.add_argument("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: at the end)")
     parser.add_argument("--aux_loss_coef", type=float, default=0.0, help="MoE router load-balancing loss weight")
-    parser.set_defaults(save_path="runs/prm", learning_rate=2e-6)
-    args = common.parse_args(parser, lambda root: dict(
-        dataset=str(root / "prm_train.jsonl"), eval_dataset=str(root / "prm_test.jsonl"),
-        learning_rate=3e-4, lr_warmup_ratio=0.1, train_batch_size=32, micro_train_batch_size=32,
-        max_epochs=6, max_len=64))
+    args = common.parse_args(parser, DEFAULTS)
     common.init_distributed(args)
     start = time.time()
 
@@ -220,7 +231,7 @@ def main():
     common.enable_router_loss(model, args.aux_loss_coef)
     total_steps = len(train) // args.train_batch_size * args.max_epochs
     engine = common.setup_deepspeed(model, args, cfg, total_steps)
-    start_step = common.load_checkpoint(engine, args)
+    start_step, _ = common.load_checkpoint(engine, args)
     logger = common.Logger(args, total_steps, start_step)
 
     for step, epoch, micro_batches in common.train_batches(len(train), args, start_step):

@@ -115,17 +115,27 @@ def evaluate(engine, data, tokenizer, args):
             "reward_std": math.sqrt(max(r_sq / (2 * n) - mean**2, 0.0))}
 
 
+# The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
+# (common.parse_args; "{toy}" is its directory).
+DEFAULTS = {
+    "save_path":                  ("runs/rm",    "runs/rm"),
+    "dataset":                    (None,         "{toy}/pref_train.jsonl"),
+    "eval_dataset":               (None,         "{toy}/pref_test.jsonl"),
+    "max_len":                    (512,          32),
+    "max_epochs":                 (1,            4),
+    "micro_train_batch_size":     (8,            32),
+    "learning_rate":              (9e-6,         3e-4),
+    "lr_warmup_ratio":            (0.03,         0.1),
+}
+
+
 def main():
     parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     parser.add_argument("--chosen_key", default="chosen")
     parser.add_argument("--rejected_key", default="rejected")
     parser.add_argument("--margin_key", default=None, help="optional per-pair margin in the loss")
     parser.add_argument("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: at the end)")
-    parser.set_defaults(save_path="runs/rm", learning_rate=9e-6)
-    args = common.parse_args(parser, lambda root: dict(
-        dataset=str(root / "pref_train.jsonl"), eval_dataset=str(root / "pref_test.jsonl"),
-        learning_rate=3e-4, lr_warmup_ratio=0.1, train_batch_size=64, micro_train_batch_size=32,
-        max_epochs=4, max_len=32))
+    args = common.parse_args(parser, DEFAULTS)
     common.init_distributed(args)
     start = time.time()
 
@@ -153,7 +163,7 @@ def main():
             torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.config.hidden_size + 1))
     total_steps = len(train) // args.train_batch_size * args.max_epochs
     engine = common.setup_deepspeed(model, args, cfg, total_steps)
-    start_step = common.load_checkpoint(engine, args)
+    start_step, _ = common.load_checkpoint(engine, args)
     logger = common.Logger(args, total_steps, start_step)
 
     for step, epoch, micro_batches in common.train_batches(len(train), args, start_step):

@@ -231,6 +231,38 @@ class Batcher:
 
 
 # ---------------------------------------------------------------------------------------------- app
+async def request_texts(request: Request, args, state):
+    """The texts a /get_reward body asks to score, or the error response for it. The body is checked before
+    readiness, so a bad request gets its 4xx even while the model loads (`state` has no batcher yet)."""
+    body = await read_body(request, int(args.max_body_mb * 2**20))
+    if body is None:
+        return error(413, f"body larger than --max_body_mb {args.max_body_mb}")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return error(400, f"invalid JSON: {e}")
+    if not isinstance(data, dict):
+        return error(422, f"body: expected a JSON object, got {type(data).__name__}")
+    try:
+        req = RewardRequest.model_validate(data)
+    except ValidationError as e:
+        return error(422, field_errors(e))
+    n = len(req.query if req.query is not None else req.messages)
+    if n > args.max_texts:
+        return error(413, f"{n} texts, more than --max_texts {args.max_texts}")
+    if "batcher" not in state:
+        return error(503, "loading the model")
+    if req.messages is None:
+        return req.query
+    tokenizer = state["tokenizer"]
+    if not tokenizer.chat_template:
+        return error(422, "messages: this model's tokenizer has no chat template; send 'query'")
+    try:
+        return [tokenizer.apply_chat_template([m.model_dump() for m in conv], tokenize=False) for conv in req.messages]
+    except Exception as e:  # a template may reject a role order, say
+        return error(422, f"messages: the chat template refused them ({type(e).__name__}: {e})")
+
+
 def create_app(args):
     state = {}
 
@@ -281,35 +313,10 @@ def create_app(args):
 
     @app.post("/get_reward")
     async def get_reward(request: Request):
-        body = await read_body(request, int(args.max_body_mb * 2**20))
-        if body is None:
-            return error(413, f"body larger than --max_body_mb {args.max_body_mb}")
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error(400, f"invalid JSON: {e}")
-        if not isinstance(data, dict):
-            return error(422, f"body: expected a JSON object, got {type(data).__name__}")
-        try:
-            req = RewardRequest.model_validate(data)
-        except ValidationError as e:
-            return error(422, field_errors(e))
-        n = len(req.query if req.query is not None else req.messages)
-        if n > args.max_texts:
-            return error(413, f"{n} texts, more than --max_texts {args.max_texts}")
-        if "batcher" not in state:
-            return error(503, "loading the model")
+        texts = await request_texts(request, args, state)
+        if isinstance(texts, JSONResponse):
+            return texts
         tokenizer = state["tokenizer"]
-        if req.messages is not None:
-            if not tokenizer.chat_template:
-                return error(422, "messages: this model's tokenizer has no chat template; send 'query'")
-            try:
-                texts = [tokenizer.apply_chat_template([m.model_dump() for m in conv], tokenize=False)
-                         for conv in req.messages]
-            except Exception as e:  # a template may reject a role order, say
-                return error(422, f"messages: the chat template refused them ({type(e).__name__}: {e})")
-        else:
-            texts = req.query
         if args.log_requests:
             common.console.print(f"get_reward {json.dumps(texts)[:2000]}", markup=False)
         batcher = state["batcher"]
@@ -352,7 +359,8 @@ def main():
     common.quiet_libraries()
     args = p.parse_args()
     args.max_batch_tokens = args.max_batch_tokens or (16384 if torch.cuda.is_available() else 2048)
-    common.warn_if_slow_bf16(args)
+    if args.bf16:
+        common.warn_if_slow_bf16()
     uvicorn.run(create_app(args), host=args.host, port=args.port, log_level="warning",
                 access_log=args.log_requests, timeout_graceful_shutdown=30)
 

@@ -9,7 +9,7 @@ was skipped where they are not):
    SFT and RM must learn the toy task (exact match >= 50%, pair accuracy >= 80%; 97.6% and 98.0% in float32 on CPU).
 2. SFT throughput of a random ~350M Llama-shaped model (24 layers, hidden 1024, 16 query / 8 key-value heads, vocab
    32k) on samples of 400-1,000 tokens, micro-batch 8, ZeRO-2: real tokens/s, MFU and peak memory for padded,
-   packed (common.packed_sdpa) and --flash_attn --packing_samples (where flash-attn is installed); packed against
+   packed (packing.packed_sdpa) and --flash_attn --packing_samples (where flash-attn is installed); packed against
    the padding-free ideal, padded real-tokens/s x padded tokens / real tokens (padding whose pads cost nothing).
 MFU = 6 x parameters x real tokens/s over the GPU's dense bf16 peak (PEAK_TFLOPS by device name, or --peak_tflops).
 It prints a table, writes <out>/gpu_check.json, and exits 1 if any stage fails; without CUDA it says so in one line.
@@ -193,8 +193,8 @@ def main():
     from rich.table import Table
 
     # the GPU's name and the packed attention path, asked in a process of their own: this one holds no CUDA memory
-    probe = ("import json, torch, common; k = common.torch_varlen(0); print(json.dumps([torch.cuda.get_device_name(), "
-             "torch.version.cuda, k and ('native' if common.takes_gqa(k) else 'by repeated key/value heads')]))")
+    probe = ("import json, torch, packing; k = packing.torch_varlen(0); print(json.dumps([torch.cuda.get_device_name(), "
+             "torch.version.cuda, k and ('native' if packing.takes_gqa(k) else 'by repeated key/value heads')]))")
     gpu, cuda, gqa = json.loads(subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
                                                check=True).stdout.splitlines()[-1])
     peak = args.peak_tflops or next((tf for part, tf in PEAK_TFLOPS if part in gpu), None)

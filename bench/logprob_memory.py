@@ -48,7 +48,7 @@ MODES = ("rollout", "train", "train+bonus")
 
 def old_response_logprobs(model, batch, args, pad_id, with_entropy=False):
     """"before": grpo.response_logprobs as it was before issue 23 #6, verbatim."""
-    # padded, or packed with a group's prompt laid out once (common.pack_groups)
+    # padded, or packed with a group's prompt laid out once (packing.pack_groups)
     inputs, where = common.response_inputs(model, batch, pad_id, args.packing_samples, share_prompts=True)
     out = model(**inputs)
     # [sum R, V]: the logits one position before each response token, the ones that predicted it

@@ -15,7 +15,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 # conftest first: it puts the repository on sys.path (for __main__ too)
 from conftest import ROOT, last_logged, results, run_script
 
+import agents  # noqa: E402
 import common  # noqa: E402
+import engines  # noqa: E402
 import grpo  # noqa: E402
 import rollout  # noqa: E402
 
@@ -53,7 +55,7 @@ class AgentExecutor(MultiTurnAgentExecutor):
 def agent_file(tmp_path, body, name="agent.py"):
     path = tmp_path / name
     path.write_text(body)
-    rollout.load_agent.cache_clear()
+    agents.load_agent.cache_clear()
     return path
 
 
@@ -65,7 +67,6 @@ def agent_args(path, tmp_path, **kw):
 class ScriptedEngine:
     """An engine that answers each prompt with the next action of a script (text, EOS written as </s>), cut at the
     budget it is given; it records every call's prompts (token ids) and budgets."""
-    in_step = False
 
     def __init__(self, tokenizer, actions):
         self.tok, self.actions, self.calls = tokenizer, actions, []
@@ -76,7 +77,8 @@ class ScriptedEngine:
         turn = len(self.calls) - 1
         out = [torch.tensor(self.tok(self.actions[turn], add_special_tokens=False)["input_ids"][:n]) for n in
                max_new_tokens]
-        return rollout.Samples(out, [torch.full((len(o),), -0.5, dtype=torch.float64) for o in out], version=7)
+        return rollout.Rollout.of(records, out, self.tok.eos_token_id,
+                                  [torch.full((len(o),), -0.5, dtype=torch.float64) for o in out], version=7)
 
 
 def records_of(tokenizer, rows):
@@ -90,7 +92,7 @@ def test_tool_episode_token_in_token_out(tokenizer, tmp_path):
     on the actions only; the engine's log-probs sit on the actions, 0 on feedback; the reward is the sum of the
     steps', scores and extra_logs the last step's."""
     engine = ScriptedEngine(tokenizer, ["?</s>", "52</s>"])
-    agent = rollout.AgentEngine(engine, agent_args(ROOT / "toy_agent.py", tmp_path), tokenizer)
+    agent = agents.AgentEngine(engine, agent_args(ROOT / "toy_agent.py", tmp_path), tokenizer)
     samples = agent.sample(records_of(tokenizer, [("07+x=", "45")]), 1.0)
     prompt = tokenizer("07+x=")["input_ids"]  # the prompt's own tokens, BOS included: reset() left it unchanged
     ask, answer = tokenizer("?</s>", add_special_tokens=False)["input_ids"], tokenizer("52</s>")["input_ids"][1:]
@@ -100,10 +102,10 @@ def test_tool_episode_token_in_token_out(tokenizer, tmp_path):
     assert samples.responses[0].tolist() == ask + feedback + answer
     assert samples.action_mask[0].tolist() == [1] * len(ask) + [0] * len(feedback) + [1] * len(answer)
     assert samples.logprobs[0].tolist() == [-0.5] * len(ask) + [0.0] * len(feedback) + [-0.5] * len(answer)
-    rewards, scores, logs = samples.rewards
-    assert rewards.tolist() == [1.0] and scores.tolist() == [1.0] and samples.truncated == [False]
+    rewards, scores, logs = samples.agent_rewards
+    assert rewards.tolist() == [1.0] and scores.tolist() == [1.0] and samples.stopped.tolist() == [True]
     assert logs["turns"].tolist() == [2.0] and logs["asked"].tolist() == [1.0] and logs["accuracy"].tolist() == [1.0]
-    assert samples.version == 7 and samples.prompts is None
+    assert samples.version == 7 and samples.records[0]["ids"].tolist() == prompt
 
 
 def test_states_the_agent_sees(tokenizer, tmp_path):
@@ -127,13 +129,13 @@ class AgentExecutor(MultiTurnAgentExecutor):
     import os
     os.environ["STATES"] = str(tmp_path / "states.jsonl")
     engine = ScriptedEngine(tokenizer, ["a<s>b</s>", "c</s>", "d"])  # the last is cut at its budget: no EOS
-    agent = rollout.AgentEngine(engine, agent_args(path, tmp_path), tokenizer)
+    agent = agents.AgentEngine(engine, agent_args(path, tmp_path), tokenizer)
     samples = agent.sample(records_of(tokenizer, [("1+2=", {"x": 1})]), 1.0)
     seen = [json.loads(line) for line in open(tmp_path / "states.jsonl")]
     assert [s["action_text"] for s in seen] == ["a<s>b", "c", "d"]
     assert [s["observation_text"] for s in seen] == ["1+2=", "1+2=a<s>b|fb|", "1+2=a<s>b|fb|c|fb|"]
     assert all(s["label"] == {"x": 1} for s in seen)
-    rewards, scores, logs = samples.rewards
+    rewards, scores, logs = samples.agent_rewards
     assert rewards.tolist() == [0.75] and scores.tolist() == [0.75]  # scores default to the reward so far
     assert logs["n"].tolist() == [4.0] and logs["turns"].tolist() == [3.0]  # the last step's extra_logs
 
@@ -153,21 +155,21 @@ class AgentExecutor(MultiTurnAgentExecutor):
     recs = records_of(tokenizer, [("1+2=", None)])
     # budget 10: action (2) + feedback (5), action (2) + feedback cut to 1
     engine = ScriptedEngine(tokenizer, ["a</s>", "b</s>"])
-    s = rollout.AgentEngine(engine, agent_args(never_done, tmp_path, generate_max_len=10), tokenizer).sample(recs, 1.0)
+    s = agents.AgentEngine(engine, agent_args(never_done, tmp_path, generate_max_len=10), tokenizer).sample(recs, 1.0)
     assert [b for _, b in engine.calls] == [[10], [3]]
-    assert tokenizer.decode(s.responses[0]) == "a</s>xxxxxb</s>x" and s.truncated == [True]
-    assert s.rewards[0].tolist() == [2.0] and rollout.stopped(s, tokenizer).tolist() == [False]
+    assert tokenizer.decode(s.responses[0]) == "a</s>xxxxxb</s>x" and s.stopped.tolist() == [False]
+    assert s.agent_rewards[0].tolist() == [2.0] and s.stopped.tolist() == [False]
     engine = ScriptedEngine(tokenizer, ["a</s>", "b</s>", "c</s>"])
-    s = rollout.AgentEngine(engine, agent_args(never_done, tmp_path, max_turns=2), tokenizer).sample(recs, 1.0)
-    assert len(engine.calls) == 2 and s.truncated == [True] and s.rewards[2]["turns"].tolist() == [2.0]
+    s = agents.AgentEngine(engine, agent_args(never_done, tmp_path, max_turns=2), tokenizer).sample(recs, 1.0)
+    assert len(engine.calls) == 2 and s.stopped.tolist() == [False] and s.agent_rewards[2]["turns"].tolist() == [2.0]
     toy = ROOT / "toy_agent.py"
-    s = rollout.AgentEngine(ScriptedEngine(tokenizer, ["1234567"]), agent_args(toy, tmp_path, generate_max_len=4),
+    s = agents.AgentEngine(ScriptedEngine(tokenizer, ["1234567"]), agent_args(toy, tmp_path, generate_max_len=4),
                             tokenizer).sample(records_of(tokenizer, [("07+x=", "45")]), 1.0)
     assert s.responses[0].tolist() == tokenizer("1234", add_special_tokens=False)["input_ids"]
-    assert s.truncated == [True]  # step() said done, but the answer was cut
-    s = rollout.AgentEngine(ScriptedEngine(tokenizer, ["99</s>"]), agent_args(toy, tmp_path), tokenizer).sample(
+    assert s.stopped.tolist() == [False]  # step() said done, but the answer was cut
+    s = agents.AgentEngine(ScriptedEngine(tokenizer, ["99</s>"]), agent_args(toy, tmp_path), tokenizer).sample(
         records_of(tokenizer, [("07+x=", "45")]), 1.0)
-    assert s.truncated == [False] and s.rewards[0].tolist() == [0.0]
+    assert s.stopped.tolist() == [True] and s.agent_rewards[0].tolist() == [0.0]
 
 
 def test_a_rewritten_observation_is_tokenized_alone(tokenizer, tmp_path):
@@ -183,10 +185,10 @@ class AgentExecutor(MultiTurnAgentExecutor):
         super().__init__(AgentInstance)
 ''')
     engine = ScriptedEngine(tokenizer, ["7</s>"])
-    s = rollout.AgentEngine(engine, agent_args(path, tmp_path), tokenizer).sample(
+    s = agents.AgentEngine(engine, agent_args(path, tmp_path), tokenizer).sample(
         records_of(tokenizer, [("1+2=", None)]), 1.0)
     rewritten = tokenizer("Q:1+2=", add_special_tokens=False)["input_ids"]  # no BOS: OpenRLHF's rule
-    assert engine.calls[0][0] == [rewritten] and s.prompts[0].tolist() == rewritten
+    assert engine.calls[0][0] == [rewritten] and s.records[0]["ids"].tolist() == rewritten
 
 
 BROKEN_STEP = '''
@@ -221,7 +223,7 @@ class AgentExecutor(MultiTurnAgentExecutor):
 ])
 def test_a_broken_agent_stops_the_run_in_one_line(tokenizer, tmp_path, step, message):
     path = agent_file(tmp_path, BROKEN_STEP.format(step=step))
-    agent = rollout.AgentEngine(ScriptedEngine(tokenizer, ["1</s>"]), agent_args(path, tmp_path, agent_timeout=0.3),
+    agent = agents.AgentEngine(ScriptedEngine(tokenizer, ["1</s>"]), agent_args(path, tmp_path, agent_timeout=0.3),
                                 tokenizer)
     with pytest.raises(SystemExit) as stop:
         agent.sample(records_of(tokenizer, [("1+2=", None)] * 3), 1.0)
@@ -236,9 +238,9 @@ def test_files_without_the_contract_are_refused(tmp_path):
                           ("class AgentExecutor:\n    pass\n", "its AgentExecutor has no agent_instance_cls")]:
         path = agent_file(tmp_path, body, name=f"bad{len(body)}.py")
         with pytest.raises(SystemExit, match=f"{path}: {message}" if "its" in message else f"{path} {message}"):
-            rollout.load_agent(str(path))
+            agents.load_agent(str(path))
     with pytest.raises(SystemExit, match="not an existing .py file"):
-        rollout.load_agent(str(tmp_path / "missing.py"))
+        agents.load_agent(str(tmp_path / "missing.py"))
 
 
 def test_sampling_params_handed_back_changed_are_ignored_with_one_warning(tokenizer, tmp_path, capsys):
@@ -246,8 +248,8 @@ def test_sampling_params_handed_back_changed_are_ignored_with_one_warning(tokeni
         "def step(self, states):\n        states['sampling_params'].max_tokens = 3\n"
         "        return {'rewards': 1.0, 'environment_feedback': '', 'done': True, "
         "'sampling_params': states['sampling_params']}")))
-    agent = rollout.AgentEngine(ScriptedEngine(tokenizer, ["1</s>"]), agent_args(path, tmp_path), tokenizer)
-    assert agent.sample(records_of(tokenizer, [("1+2=", None)] * 3), 1.0).rewards[0].tolist() == [1.0] * 3
+    agent = agents.AgentEngine(ScriptedEngine(tokenizer, ["1</s>"]), agent_args(path, tmp_path), tokenizer)
+    assert agent.sample(records_of(tokenizer, [("1+2=", None)] * 3), 1.0).agent_rewards[0].tolist() == [1.0] * 3
     assert capsys.readouterr().err.count("sampling_params returned by step() are ignored") == 1
 
 
@@ -273,12 +275,12 @@ class Recorder:
     """An engine's sample() calls, as token ids: each call's inputs and completions."""
 
     def __init__(self, engine):
-        self.engine, self.in_step, self.calls = engine, engine.in_step, []
+        self.engine, self.calls = engine, []
 
     def sample(self, records, temperature, max_new_tokens=None):
         samples = self.engine.sample(records, temperature, max_new_tokens)
         self.calls.append(([torch.as_tensor(r["ids"]).tolist() for r in records],
-                           [r.tolist() for r in samples.responses]))
+                           [r.tolist() for _, r in samples.pairs()]))
         return samples
 
 
@@ -301,8 +303,8 @@ def check_token_in_token_out(calls, prompts, samples, tokenizer, max_len):
                 still.append(i)
         live = still
     assert not live
-    assert [r.tolist() for r in samples.responses] == [e[len(p):] for e, p in zip(expected, prompts)]
-    assert [m.int().tolist() for m in samples.action_mask] == masks  # 0 exactly on the feedback tokens
+    assert [r.tolist() for _, r in samples.pairs()] == [e[len(p):] for e, p in zip(expected, prompts)]
+    assert [m[:n].int().tolist() for m, n in zip(samples.action_mask, samples.lengths)] == masks  # 0 on feedback
     return max(len(c[0]) for c in calls[1:]) if len(calls) > 1 else 0
 
 
@@ -313,10 +315,10 @@ def test_token_in_token_out_on_hf_generate(policy, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(policy).eval()
     args = agent_args(agent_file(tmp_path, THREE_TURNS), tmp_path, generate_max_len=40, micro_rollout_batch_size=8,
                       zero_stage=0)
-    engine = Recorder(rollout.HFEngine(model, args, tok))
+    engine = Recorder(rollout.HFEngine(args, model, tok))
     rows = [(f"{a:02d}+{b:02d}=", None) for a, b in [(12, 34), (7, 45), (99, 1), (50, 50), (3, 4), (61, 27)]]
     torch.manual_seed(0)
-    samples = rollout.AgentEngine(engine, args, tok).sample(records_of(tok, rows), 1.0)
+    samples = agents.AgentEngine(engine, args, tok).sample(records_of(tok, rows), 1.0)
     prompts = [tok(text)["input_ids"] for text, _ in rows]
     assert check_token_in_token_out(engine.calls, prompts, samples, tok, 40) >= 2  # second turns happened
 
@@ -329,8 +331,9 @@ def test_token_in_token_out_on_vllm(policy, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     tok = AutoTokenizer.from_pretrained(policy)
-    samples = rollout.Samples([torch.tensor(r) for r in out["responses"]],
-                              action_mask=[torch.tensor(m, dtype=torch.bool) for m in out["masks"]])
+    samples = rollout.Rollout.of([{"ids": torch.tensor(p)} for p in out["prompts"]],
+                                 [torch.tensor(r) for r in out["responses"]], tok.eos_token_id,
+                                 action_mask=[torch.tensor(m, dtype=torch.bool) for m in out["masks"]])
     assert check_token_in_token_out(out["calls"], out["prompts"], samples, tok, 40) >= 2
     assert all(len(lp) == len(r) for lp, r in zip(out["logprobs"], out["responses"]))
     for lp, m in zip(out["logprobs"], out["masks"]):  # the engine's log-probs on actions, 0 on feedback
@@ -347,15 +350,15 @@ def vllm_episodes(policy, path, tmp_path):
                       vllm=True, ray=False)
     common.init_distributed(args)
     model = AutoModelForCausalLM.from_pretrained(policy).eval()
-    engine = rollout.VLLMEngine(args, model, tok)
+    engine = engines.VLLMEngine(args, model, tok)
     engine.sync(model, 0)
     engine = Recorder(engine)
     rows = [(f"{a:02d}+{b:02d}=", None) for a, b in [(12, 34), (7, 45), (99, 1), (50, 50), (3, 4), (61, 27)]]
-    samples = rollout.AgentEngine(engine, args, tok).sample(records_of(tok, rows), 1.0)
+    samples = agents.AgentEngine(engine, args, tok).sample(records_of(tok, rows), 1.0)
     print(json.dumps({"calls": engine.calls, "prompts": [tok(t)["input_ids"] for t, _ in rows],
-                      "responses": [r.tolist() for r in samples.responses],
-                      "masks": [m.int().tolist() for m in samples.action_mask],
-                      "logprobs": [lp.tolist() for lp in samples.logprobs]}))
+                      "responses": [r.tolist() for _, r in samples.pairs()],
+                      "masks": [m[:n].int().tolist() for m, n in zip(samples.action_mask, samples.lengths)],
+                      "logprobs": [lp[:n].tolist() for lp, n in zip(samples.logprobs, samples.lengths)]}))
 
 
 # ------------------------------------------------------------------------------------------------ the loss

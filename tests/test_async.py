@@ -15,7 +15,7 @@ import torch
 # conftest puts the repository on sys.path: this file also runs as a script (recorded_run)
 from conftest import ROOT, results, run_script, stock_accuracy, weights
 
-import rollout  # noqa: E402
+import engines  # noqa: E402
 
 STEPS = ["--max_samples", 80, "--rollout_batch_size", 16, "--n_samples_per_prompt", 4, "--train_batch_size", 32,
          "--micro_train_batch_size", 16, "--logging_steps", 1]  # 5 steps of 16 prompts x 4 samples
@@ -35,13 +35,14 @@ def recorded_run(out_path, *argv):
     import rollout
 
     taken, sent = [], {}
-    sample, sync = rollout.Sampler.sample, rollout.RayEngines.sync
+    draw, sync = rollout.draw, engines.RayEngines.sync
 
-    def recording_sample(self):
-        batch = sample(self)
+    def recording_draw(*args):
+        batch = draw(*args)
         taken.append({"prompts": [r["ids"].tolist() for r in batch.records],
-                      "responses": [r.tolist() for r in batch.responses],
-                      "engine_logprobs": [lp.tolist() for lp in batch.logprobs], "version": batch.version})
+                      "responses": [r.tolist() for _, r in batch.pairs()],
+                      "engine_logprobs": [lp[:n].tolist() for lp, n in zip(batch.logprobs, batch.lengths)],
+                      "version": batch.version})
         return batch
 
     def recording_sync(self, model, version=0):
@@ -49,14 +50,14 @@ def recorded_run(out_path, *argv):
         time.sleep(1.0)  # a slow update: the producer gets as far ahead as it may, however busy the machine
         return sync(self, model, version)
 
-    rollout.Sampler.sample, rollout.RayEngines.sync = recording_sample, recording_sync
+    rollout.draw, engines.RayEngines.sync = recording_draw, recording_sync
     sys.argv = ["grpo.py", *argv]
     grpo.main()
     torch.save({"taken": taken, "sent": sent}, out_path)
 
 
 def test_producer_runs_at_most_n_ahead_in_order():
-    """rollout.Producer alone, with a make() that notes the trainer's version when it starts: results in order,
+    """engines.Producer alone, with a make() that notes the trainer's version when it starts: results in order,
     `count` of them, each started on version >= its index - N, as far ahead as that allows; an error in
     make() comes out of get()."""
     for n in (0, 1, 3):
@@ -66,7 +67,7 @@ def test_producer_runs_at_most_n_ahead_in_order():
             started.append(version[0])
             return len(started) - 1
 
-        producer = rollout.Producer(make, n, 6)
+        producer = engines.Producer(make, n, 6)
         for t in range(6):
             assert producer.get() == t
             time.sleep(0.05)  # let it run ahead as far as it may
@@ -80,7 +81,7 @@ def test_producer_runs_at_most_n_ahead_in_order():
         raise ValueError("the engine went away")
 
     with pytest.raises(ValueError, match="the engine went away"):
-        rollout.Producer(failing, 1, 3).get()
+        engines.Producer(failing, 1, 3).get()
 
 
 def logprobs_under(model, prompt, response, temperature):

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
+import packing
 import dpo
 from conftest import results, run_main, run_script, script_args, stock_accuracy, weights
 
@@ -90,7 +91,7 @@ def naive_logps(model, triples):
 
 
 def float64_model(path, attention):
-    common.register_packed_sdpa()
+    packing.register_packed_sdpa()
     return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attention).double()
 
 

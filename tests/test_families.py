@@ -19,6 +19,7 @@ from conftest import ROOT, run_main, script_args, stock_eval_reward
 import common  # noqa: E402
 import dpo  # noqa: E402
 import families  # noqa: E402
+import agents  # noqa: E402
 import prm  # noqa: E402
 import rm  # noqa: E402
 import rollout  # noqa: E402
@@ -161,8 +162,7 @@ def test_rewards_read_where_rm_trains_them(family_dirs, family):
     response = torch.tensor(want[len(prompt_ids):])  # what a policy SFT-trained on this text generates
     cut = response[:-1]  # hit the length limit: no EOS
     prompts, responses = [prompt_ids, prompt_ids], [response, cut]
-    rl_args = script_args(micro_rollout_batch_size=8)
-    scores = rollout.rm_scores(model, prompts, responses, tok, rl_args)
+    scores = rollout.rm_scores(model, list(zip(prompts, responses)), tok, chunk_size=8)
     assert scores.tolist() == pytest.approx([reference] * 2, abs=1e-5)
 
     # serve_rm: every form a client may send comes down to rm.py's ids
@@ -195,8 +195,8 @@ def test_rewards_read_where_rm_trains_them(family_dirs, family):
     for t, prompt, response in cases:
         sent = {}
         records = [{"ids": torch.tensor(prompt), "label": None}] * 2
-        rollout.client_rewards(lambda q, p, labels: sent.update(q=q, p=p) or [0.0] * len(q), records,
-                               [torch.tensor(response), torch.tensor(response[:-1])], t)
+        batch = rollout.Rollout.of(records, [torch.tensor(response), torch.tensor(response[:-1])], t.eos_token_id)
+        rollout.client_rewards(lambda q, p, labels: sent.update(q=q, p=p) or [0.0] * len(q), batch, t)
         assert all(q.startswith(p) for q, p in zip(sent["q"], sent["p"])), sent
         assert [serve_rm.tokenize(q, t, srv) for q in sent["q"]] == [prompt + response] * 2, sent
 
@@ -220,9 +220,9 @@ def test_agent_turns_are_token_in_token_out(family_dirs, family, tmp_path):
     texts = [common.format_prompt(f"{a}+{b}=", tok, fam_args) for a, b in [(12, 34), (7, 45), (99, 1), (3, 4)]]
     prompts = [tok(t, add_special_tokens=not fam_args.apply_chat_template)["input_ids"] for t in texts]
     records = [{"ids": torch.tensor(p), "text": t, "label": None} for p, t in zip(prompts, texts)]
-    engine = Recorder(rollout.HFEngine(model, args, tok))
+    engine = Recorder(rollout.HFEngine(args, model, tok))
     torch.manual_seed(0)
-    samples = rollout.AgentEngine(engine, args, tok).sample(records, 1.0)
+    samples = agents.AgentEngine(engine, args, tok).sample(records, 1.0)
     assert check_token_in_token_out(engine.calls, prompts, samples, tok, 40) >= 2
     assert all(bos_count(p, tok) == int(family in ("llama3_instruct", "mistral")) for p in prompts)
 
@@ -262,7 +262,6 @@ def test_hf_sampling_ignores_the_generation_config(family_dirs, family):
     path = family_dirs[family] / "model"
     tok, args = load_tokenizer(path, family, chat=False)
     prompts = [torch.tensor(tok(t)["input_ids"]) for t in ["12+34=", "Step 1:", "7+"] for _ in range(4)]
-    rl_args = script_args(generate_max_len=24, top_p=1.0, zero_stage=0, micro_rollout_batch_size=6)
     # output logits scaled to a trained model's size (a random one's are ~0, which no penalty moves): x4 for a
     # spread-out distribution, x40 for one that repeats itself
     for scale in (4, 40):
@@ -277,7 +276,8 @@ def test_hf_sampling_ignores_the_generation_config(family_dirs, family):
         runs = []
         for model in (with_config, blank):
             torch.manual_seed(1)
-            runs.append([s.tolist() for s in rollout.generate_hf(model, prompts, rl_args, tok, 1.0)])
+            runs.append([s.tolist() for s in rollout.generate_hf(model, tok, prompts, 1.0, top_p=1.0, max_new_tokens=24,
+                                                                 chunk_size=6)])
         assert runs[0] == runs[1], scale
         assert with_config.generation_config.to_dict() == saved  # the checkpoint keeps its config
         # sft.py's and dpo.py's eval: greedy, and greedy too is reshaped by a repetition penalty or an n-gram ban
@@ -401,8 +401,7 @@ def test_vllm_stops_and_samples_as_hf_whatever_the_generation_config(family_dirs
     model.save_pretrained(policy)
     tok.save_pretrained(policy)
     prompts = [tok(t)["input_ids"] for t in ["12+34=", "Step 1:", "7+", "99+1="]]
-    args = script_args(generate_max_len=12, top_p=1.0, zero_stage=0, micro_rollout_batch_size=8)
-    greedy = rollout.generate_hf(model, [torch.tensor(p) for p in prompts], args, tok, 0.0)
+    greedy = rollout.generate_hf(model, tok, [torch.tensor(p) for p in prompts], 0.0, max_new_tokens=12, chunk_size=8)
     seen = [t for g in greedy for t in g[1:].tolist() if t != tok.eos_token_id]
     assert seen, "the greedy completions are all one token long"
     config = json.loads((policy / "generation_config.json").read_text())
@@ -428,8 +427,8 @@ def vllm_greedy(policy, prompts):
     tok = AutoTokenizer.from_pretrained(policy)
     model = AutoModelForCausalLM.from_pretrained(policy).eval()
     engine = rollout.start_engine(args, model, tok)
-    out = engine.sample([{"ids": torch.tensor(p)} for p in json.loads(prompts)], 0.0).responses
-    print(json.dumps([o.tolist() for o in out]))
+    out = engine.sample([{"ids": torch.tensor(p)} for p in json.loads(prompts)], 0.0).pairs()
+    print(json.dumps([o.tolist() for _, o in out]))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import common
+import packing
 import grpo
 import rollout
 from conftest import RewardServer
@@ -159,7 +160,7 @@ def test_group_shares_its_prompt_in_the_update(policy, tokenizer):
     g = torch.Generator().manual_seed(0)
     responses = [torch.randint(4, len(tokenizer), (n,), generator=g) for n in (3, 1, 0, 5, 2, 4)]
     batch = list(zip([x, x, y, y, x, y], responses))  # x three times, y three (the first empty), interleaved
-    common.register_packed_sdpa()
+    packing.register_packed_sdpa()
     model = AutoModelForCausalLM.from_pretrained(policy, attn_implementation="packed_sdpa")
     rows = []
     model.get_input_embeddings().register_forward_hook(lambda m, inp, out: rows.append(inp[0].shape))

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
+import packing
 
 TEMPERATURE = 0.7
 
@@ -23,7 +24,7 @@ def batch(policy):
 
 
 def float64_model(policy, attention):
-    common.register_packed_sdpa()
+    packing.register_packed_sdpa()
     return AutoModelForCausalLM.from_pretrained(policy, attn_implementation=attention).double()
 
 

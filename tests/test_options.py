@@ -423,8 +423,7 @@ def test_bf16_on_a_cpu_that_emulates_it_warns_once_with_its_cost(monkeypatch, ca
     monkeypatch.setattr(serve_rm.uvicorn, "run", lambda *a, **k: None)  # main() up to the server start
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU case, on a GPU machine too
     script = ["--pretrain", "m", "--dataset", "d.jsonl", "--save_path", str(tmp_path / "out")]
-    entries = {"scripts": (script, lambda: common.parse_args(common.add_common_args(argparse.ArgumentParser()),
-                                                              lambda root: {})),
+    entries = {"scripts": (script, lambda: common.parse_args(common.add_common_args(argparse.ArgumentParser()), {})),
                "serve_rm": (["--reward_pretrain", "m"], serve_rm.main)}
     for name, (argv, entry) in entries.items():
         lines = warnings(False, argv + ["--bf16"], entry)

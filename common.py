@@ -119,7 +119,7 @@ def parse_args(parser, defaults):
     for flag, (real, toy_value) in defaults.items():
         if getattr(args, flag) is unset:
             value = toy_value if toy_run else real
-            setattr(args, flag, value.format(toy=root) if toy_run and isinstance(value, str) else value)
+            setattr(args, flag, value.replace("{toy}", str(root)) if toy_run and isinstance(value, str) else value)
     if args.bf16:
         warn_if_slow_bf16()
     if args.load_in_4bit:
@@ -989,4 +989,3 @@ def write_results(path, results):
             results["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / "eval_results.json").write_text(json.dumps(results, indent=2) + "\n")
-

@@ -358,9 +358,10 @@ def parse_args():
     a("--generate_max_len", type=int, help="new tokens of an eval answer")
     a("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: before and after training only)")
     a("--online", action="store_true", help=argparse.SUPPRESS)  # moved to online_dpo.py: one line saying so
-    args = common.parse_args(parser, DEFAULTS)
-    if args.online:
+    known, _ = parser.parse_known_args()  # before the full parse, which would refuse online_dpo.py's flags
+    if known.online:
         common.fail("online DPO is online_dpo.py now: run `python online_dpo.py` with the same flags, less --online")
+    args = common.parse_args(parser, DEFAULTS)
     check_dpo_args(args)
     return args
 

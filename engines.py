@@ -1,7 +1,8 @@
 """What --vllm and --ray turn on, none of it on the default path (HF generate): vLLM engines in the trainer's processes
 (VLLMEngine) or as Ray actors (RayEngines), each fed the policy's weights after every update (merged_weights) and
 returning the same rollout.Rollout as HF generate; the async producer (--async_steps, Producer); the checks of those
-flags. rollout.start_engine imports this module when --vllm or --ray is given; importing it only defines things."""
+flags. rollout.py imports it in the functions that handle these flags (start_engine, batches, check_engine_options),
+make_pairs.py where --vllm is given; importing it only defines things."""
 
 import contextlib
 import os
@@ -361,7 +362,6 @@ class RayEngines:
         dist.barrier()
 
 
-
 # ----------------------------------------------------------------------------------------- weight sync
 def engine_params(model):
     """(name, parameter) of what a rollout engine loads, in the checkpoint's names: every parameter but
@@ -390,13 +390,14 @@ class Producer:
     batch on the Ray engines), so generation overlaps the update. It starts a new make() as soon as fewer
     than N + 1 of its results are ahead of the trainer's release() calls (one after each weight sync): the
     batch the trainer takes at step t was started after the sync of step t - N - 1, so on weights at most N
-    versions old. Results come out of get() in order; an exception in make() comes out of get() too. A
-    daemon thread: it never holds up the exit."""
+    versions old. Results come out of get() in order; an exception in make() comes out of get() too. The thread
+    starts with the first get() (after the initial eval, whose generate calls it would otherwise race); a daemon
+    thread: it never holds up the exit."""
 
     def __init__(self, make, steps, count):
         self.make, self.results = make, queue.Queue()
         self.permits = threading.Semaphore(steps + 1)
-        threading.Thread(target=self.run, args=(count,), name="rollout-producer", daemon=True).start()
+        self.thread = threading.Thread(target=self.run, args=(count,), name="rollout-producer", daemon=True)
 
     def run(self, count):
         for _ in range(count):
@@ -408,6 +409,8 @@ class Producer:
                 return
 
     def get(self):
+        if self.thread.ident is None:  # the first call
+            self.thread.start()
         result, error = self.results.get()
         if error is not None:
             raise error
@@ -415,5 +418,3 @@ class Producer:
 
     def release(self):
         self.permits.release()
-
-

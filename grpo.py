@@ -29,6 +29,7 @@ toward the trainer's policy (rollout.rollout_correction_weights).
 
 import argparse
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -199,39 +200,49 @@ def score(batch, reward_fn, args):
     return rewards, scores, {**logs, "stopped": batch.stopped.float()}
 
 
+class Round(NamedTuple):
+    """One round of a step's rollout (sample_round), or the rounds dynamic filtering kept (keep_groups_with_signal)."""
+    batch: rollout.Rollout
+    rewards: torch.Tensor  # [N], with the length penalties
+    scores: torch.Tensor  # [N]
+    logs: dict  # {name: [N]}
+    metrics: dict  # seconds, rounds, groups dropped
+
+
 def sample_round(next_batch, reward_fn, args):
-    """One round of a step's rollout: wait for this rank's next batch (in step: generate it), score it. -> (batch,
-    rewards, scores, logs, metrics)."""
+    """Wait for this rank's next batch (in step: generate it), score it. -> a Round."""
     t = time.time()
     batch = next_batch()
     t, wait_s = time.time(), time.time() - t
     rewards, scores, logs = score(batch, reward_fn, args)
-    return batch, rewards, scores, {"score": scores, **logs}, dict(
+    return Round(batch, rewards, scores, {"score": scores, **logs}, dict(
         generate_s=batch.generate_s, wait_s=wait_s, reward_s=time.time() - t, rounds=1, groups_dropped=0,
-        groups_topped_up=0)
+        groups_topped_up=0))
 
 
 def keep_groups_with_signal(first, sample, n, want, reward_range):
     """DAPO's dynamic filtering: keep the groups (n consecutive samples) whose mean score is strictly inside
-    reward_range, drawing more rounds (sample() -> (batch, rewards, scores, logs, metrics), as `first`) until this
-    rank has `want` of them; after 10 rounds dropped groups top the share up. All ranks run the same rounds (ZeRO-3
-    generate). -> the kept (batch, rewards, logs), and the rounds' metrics summed, with groups_dropped and
-    groups_topped_up."""
+    reward_range, drawing more rounds (sample() -> a Round, as `first`) until this rank has `want` of them; after 10
+    rounds dropped groups top the share up. All ranks run the same rounds (ZeRO-3 generate). -> a Round of the kept
+    groups, its metrics the rounds' summed, with groups_dropped and groups_topped_up."""
     lo, hi, rounds = *reward_range, [first]
     while True:
-        group_scores = [s for r in rounds for s in r[2].double().reshape(-1, n).mean(-1).tolist()]
+        group_scores = [s for r in rounds for s in r.scores.double().reshape(-1, n).mean(-1).tolist()]
         kept = [g for g, s in enumerate(group_scores) if lo < s < hi]
+        if len(rounds) == 10:
+            break
         (short,) = common.all_reduce_sum([float(len(kept) < want)])
-        if len(rounds) == 10 or not short:
+        if not short:
             break
         rounds.append(sample())
     groups = (kept + [g for g in range(len(group_scores)) if g not in kept])[:want]
     idx = [g * n + j for g in groups for j in range(n)]
-    batch, rewards = rollout.Rollout.cat([r[0] for r in rounds]).select(idx), torch.cat([r[1] for r in rounds])[idx]
-    logs = {k: torch.cat([r[3][k] for r in rounds])[idx] for k in first[3]}
-    metrics = {k: sum(r[4][k] for r in rounds) for k in first[4]}
+    metrics = {k: sum(r.metrics[k] for r in rounds) for k in first.metrics}
     metrics.update(groups_dropped=len(group_scores) - len(kept), groups_topped_up=max(want - len(kept), 0))
-    return batch, rewards, logs, metrics
+    kept_of = lambda values: torch.cat(values)[idx]  # noqa: E731  (every round's, the kept groups')
+    return Round(rollout.Rollout.cat([r.batch for r in rounds]).select(idx), kept_of([r.rewards for r in rounds]),
+                 kept_of([r.scores for r in rounds]), {k: kept_of([r.logs[k] for r in rounds]) for k in first.logs},
+                 metrics)
 
 
 # The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
@@ -287,6 +298,7 @@ def parse_args():
     args = common.parse_args(parser, DEFAULTS)
     if (args.reward_pretrain or args.agent_func_path) and args.remote_rm_url == rollout.TOY_REWARD:
         args.remote_rm_url = None  # a reward model or an agent replaces the toy world's rule reward
+    rollout.check_one_reward(args)
     if args.advantage_estimator == "rloo" and args.n_samples_per_prompt < 2:
         common.fail("rloo needs --n_samples_per_prompt >= 2 (its baseline is the other samples)")
     if args.dual_clip is not None and args.dual_clip <= 1:
@@ -338,6 +350,7 @@ def main():
                                           total_steps - start_step)
 
     sample = lambda: sample_round(next_batch, reward_fn, args)  # noqa: E731
+
     def eval_metrics(batch):  # the mean reward and the reward function's extra logs (the toy task's accuracy)
         rewards, _, logs = score(batch, reward_fn, args)
         return {"reward": rewards, **dict(sorted(logs.items()))}
@@ -360,11 +373,12 @@ def main():
         # 1. rollout: sample groups, score them (--dynamic_filtering: more rounds until the share is full of groups
         #    with signal); the log-probs the update starts from (no gradients)
         actor.module.eval()
-        batch, rewards, scores, logs, metrics = sample()
+        step_round = sample()
         if args.dynamic_filtering:
-            batch, rewards, logs, metrics = keep_groups_with_signal(
-                (batch, rewards, scores, logs, metrics), sample, n, args.rollout_batch_size // dist.get_world_size(),
-                args.dynamic_filtering_reward_range)
+            step_round = keep_groups_with_signal(step_round, sample, n,
+                                                 args.rollout_batch_size // dist.get_world_size(),
+                                                 args.dynamic_filtering_reward_range)
+        batch, rewards, _, logs, metrics = step_round
         t = time.time()
         action_mask = batch.action_mask  # [N, R]: 0 on padding and on an agent's environment tokens
         old_logprobs = None if on_policy else rollout.rollout_logprobs(  # [N, R]

@@ -26,6 +26,7 @@ import common
 import dpo
 import rollout
 
+
 def rank_pairs(batch, scores):
     """A Rollout of two samples per prompt (consecutive) and their scores [2N] -> (prompt, chosen, rejected) pairs,
     chosen the higher score, with their scores [P, 2]; and the ties: prompts whose two samples scored the same or are

@@ -14,6 +14,7 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+
 def pack_groups(batch, share_prompts):
     """(prompt, response) pairs -> one packed row (ids, position_ids) and the row positions whose outputs
     predict the response tokens, all pairs in order. With share_prompts, pairs with the same prompt (a group)
@@ -38,7 +39,6 @@ def pack_groups(batch, share_prompts):
             cols[i] = torch.cat([torch.tensor([prompt_end]), follows])[:len(r)]
             length += len(r)
     return torch.cat(ids)[None], torch.cat(pos)[None], torch.cat(cols)
-
 
 
 _pieces = [None, None]  # the last position_ids packed_sdpa saw, and its pieces (and varlen plan, once asked for)

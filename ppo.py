@@ -207,6 +207,7 @@ def parse_args():
     args = common.parse_args(parser, DEFAULTS)
     if args.agent_func_path and args.eval_reward_func == rollout.TOY_REWARD:
         args.eval_reward_func = None  # the agent scores its eval episodes
+    rollout.check_one_reward(args)
     if args.normalize_reward and not args.reward_pretrain:
         common.fail("--normalize_reward reads mean/std from the reward model's config: it needs --reward_pretrain")
     if args.dual_clip is not None and args.dual_clip <= 1:
@@ -261,9 +262,10 @@ def main():
         # 1. rollout: sample, score, and what the update starts from: log-probs, values, the reference's KL
         actor.module.eval()
         critic.module.eval()
-        batch = next_batch()
         t = time.time()
-        metrics = {"generate_s": batch.generate_s, "wait_s": t - step_start}  # generating, waiting for it
+        batch = next_batch()
+        metrics = {"generate_s": batch.generate_s, "wait_s": time.time() - t}  # generating, waiting for it
+        t = time.time()
         scores, extra_logs = score(batch, reward_fn, args)  # [N]
         action_mask = batch.action_mask  # [N, R]: 0 on padding and on an agent's environment tokens
         old_logprobs = rollout.rollout_logprobs(actor.module, batch, pad_id, args.packing_samples, args.temperature,

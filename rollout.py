@@ -77,11 +77,14 @@ def add_rollout_args(parser, policy_gradient=True):
     a("--eval_temperature", type=float, default=0.0, help="eval sampling temperature (0: greedy)")
 
 
-def check_rl_options(args):
-    """grpo.py and ppo.py: exactly one reward, and the evaluation, vLLM and rollout-correction options that only make
-    sense together."""
+def check_one_reward(args):
+    """grpo.py and ppo.py: exactly one source of rewards."""
     if sum(x is not None for x in (args.remote_rm_url, args.reward_pretrain, args.agent_func_path)) != 1:
         fail("give exactly one reward: --remote_rm_url (URL or .py file), --reward_pretrain or --agent_func_path")
+
+
+def check_rl_options(args):
+    """grpo.py and ppo.py: the evaluation, vLLM and rollout-correction options that only make sense together."""
     check_engine_options(args)
     if args.eval_n_samples_per_prompt < 1:
         fail("--eval_n_samples_per_prompt must be >= 1")
@@ -481,8 +484,9 @@ def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, r
                     fail(f"reward server {url} failed {retries + 1} times; last error: {error}")
                 console.print(f"reward server {url}: {error}; retrying in {backoff * 2 ** attempt:g} s")
                 time.sleep(backoff * 2 ** attempt)
-    return (torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]),
-            {k: torch.cat([o[2][k] for o in outs]) for k in outs[0][2] if all(k in o[2] for o in outs)})
+    rewards, scores, logs = zip(*outs)  # per request
+    return torch.cat(rewards), torch.cat(scores), {k: torch.cat([x[k] for x in logs]) for k in logs[0]
+                                                   if all(k in x for x in logs)}
 
 
 @torch.no_grad()
@@ -563,7 +567,8 @@ def rollout_logprobs(model, batch, pad_id, packing, temperature, chunk_size, sha
     """common.response_logprobs of a whole rollout at `temperature` (no gradients), in chunks of `chunk_size`:
     [N, R] on the CPU, 0 on padding."""
     def chunk_logprobs(pairs):
-        logprobs, _, _ = common.response_logprobs(model, pairs, pad_id, packing, temperature, share_prompts=share_prompts)
+        logprobs, _, _ = common.response_logprobs(model, pairs, pad_id, packing, temperature,
+                                                  share_prompts=share_prompts)
         return logprobs
     return per_token(chunk_logprobs, batch, chunk_size)
 

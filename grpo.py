@@ -29,7 +29,6 @@ toward the trainer's policy (rollout.rollout_correction_weights).
 
 import argparse
 import time
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -200,34 +199,26 @@ def score(batch, reward_fn, args):
     return rewards, scores, {**logs, "stopped": batch.stopped.float()}
 
 
-class Round(NamedTuple):
-    """One round of a step's rollout (sample_round), or the rounds dynamic filtering kept (keep_groups_with_signal)."""
-    batch: rollout.Rollout
-    rewards: torch.Tensor  # [N], with the length penalties
-    scores: torch.Tensor  # [N]
-    logs: dict  # {name: [N]}
-    metrics: dict  # seconds, rounds, groups dropped
-
-
 def sample_round(next_batch, reward_fn, args):
-    """Wait for this rank's next batch (in step: generate it), score it. -> a Round."""
+    """One round of a step's rollout: wait for this rank's next batch (in step: generate it), score it. -> (batch,
+    rewards, scores, logs, metrics)."""
     t = time.time()
     batch = next_batch()
     t, wait_s = time.time(), time.time() - t
     rewards, scores, logs = score(batch, reward_fn, args)
-    return Round(batch, rewards, scores, {"score": scores, **logs}, dict(
+    return batch, rewards, scores, {"score": scores, **logs}, dict(
         generate_s=batch.generate_s, wait_s=wait_s, reward_s=time.time() - t, rounds=1, groups_dropped=0,
-        groups_topped_up=0))
+        groups_topped_up=0)
 
 
 def keep_groups_with_signal(first, sample, n, want, reward_range):
     """DAPO's dynamic filtering: keep the groups (n consecutive samples) whose mean score is strictly inside
-    reward_range, drawing more rounds (sample() -> a Round, as `first`) until this rank has `want` of them; after 10
-    rounds dropped groups top the share up. All ranks run the same rounds (ZeRO-3 generate). -> a Round of the kept
-    groups, its metrics the rounds' summed, with groups_dropped and groups_topped_up."""
+    reward_range, drawing more rounds (sample() -> a round, as `first`: sample_round's five) until this rank has `want`
+    of them; after 10 rounds dropped groups top the share up. All ranks run the same rounds (ZeRO-3 generate). -> a
+    round of the kept groups, its metrics the rounds' summed, with groups_dropped and groups_topped_up."""
     lo, hi, rounds = *reward_range, [first]
     while True:
-        group_scores = [s for r in rounds for s in r.scores.double().reshape(-1, n).mean(-1).tolist()]
+        group_scores = [s for _, _, scores, _, _ in rounds for s in scores.double().reshape(-1, n).mean(-1).tolist()]
         kept = [g for g, s in enumerate(group_scores) if lo < s < hi]
         if len(rounds) == 10:
             break
@@ -237,12 +228,12 @@ def keep_groups_with_signal(first, sample, n, want, reward_range):
         rounds.append(sample())
     groups = (kept + [g for g in range(len(group_scores)) if g not in kept])[:want]
     idx = [g * n + j for g in groups for j in range(n)]
-    metrics = {k: sum(r.metrics[k] for r in rounds) for k in first.metrics}
-    metrics.update(groups_dropped=len(group_scores) - len(kept), groups_topped_up=max(want - len(kept), 0))
+    batches, rewards, scores, logs, metrics = zip(*rounds)  # each: one per round
     kept_of = lambda values: torch.cat(values)[idx]  # noqa: E731  (every round's, the kept groups')
-    return Round(rollout.Rollout.cat([r.batch for r in rounds]).select(idx), kept_of([r.rewards for r in rounds]),
-                 kept_of([r.scores for r in rounds]), {k: kept_of([r.logs[k] for r in rounds]) for k in first.logs},
-                 metrics)
+    summed = {k: sum(m[k] for m in metrics) for k in metrics[0]}
+    summed.update(groups_dropped=len(group_scores) - len(kept), groups_topped_up=max(want - len(kept), 0))
+    return (rollout.Rollout.cat(batches).select(idx), kept_of(rewards), kept_of(scores),
+            {k: kept_of([log[k] for log in logs]) for k in logs[0]}, summed)
 
 
 # The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
@@ -373,12 +364,11 @@ def main():
         # 1. rollout: sample groups, score them (--dynamic_filtering: more rounds until the share is full of groups
         #    with signal); the log-probs the update starts from (no gradients)
         actor.module.eval()
-        step_round = sample()
+        batch, rewards, scores, logs, metrics = sample()
         if args.dynamic_filtering:
-            step_round = keep_groups_with_signal(step_round, sample, n,
-                                                 args.rollout_batch_size // dist.get_world_size(),
-                                                 args.dynamic_filtering_reward_range)
-        batch, rewards, _, logs, metrics = step_round
+            batch, rewards, scores, logs, metrics = keep_groups_with_signal(
+                (batch, rewards, scores, logs, metrics), sample, n, args.rollout_batch_size // dist.get_world_size(),
+                args.dynamic_filtering_reward_range)
         t = time.time()
         action_mask = batch.action_mask  # [N, R]: 0 on padding and on an agent's environment tokens
         old_logprobs = None if on_policy else rollout.rollout_logprobs(  # [N, R]

@@ -1,6 +1,7 @@
-"""What every script uses, in labelled sections: args, distributed + DeepSpeed, model loading (packed attention
-included), data, the log-probs of response tokens, saving / resume, logging. sft.py, rm.py and prm.py import only
-this; the RL scripts also import rollout.py (generation, engines, rewards).
+"""What every script uses, in labelled sections: args (parse_args reads a script's DEFAULTS table), distributed +
+DeepSpeed, model loading, data, the log-probs of response tokens, saving / resume, logging. sft.py, rm.py and prm.py
+import only this; the RL scripts also import rollout.py (prompts to scored samples). What a flag adds lives in a module
+of its own, imported where the flag is handled: packing.py (--packing_samples), lora.py (--lora_rank, --load_in_4bit).
 
 Nothing here is an algorithm: losses, advantages and where a reward or value is read live in the scripts. Importing
 this module defines things; the one setting it makes is DeepSpeed's accelerator on a machine without CUDA (below),

@@ -70,7 +70,8 @@ def tokenize_response(record, key, tokenizer, args, where="a record"):
     if args.apply_chat_template:
         messages = ([] if prompt is None else prompt if isinstance(prompt, list) else
                     [{"role": "user", "content": prompt}])
-        messages += response if isinstance(response, list) else [{"role": "assistant", "content": response}]
+        reply = response if isinstance(response, list) else [{"role": "assistant", "content": response}]
+        messages = messages + reply  # a new list: `+=` would extend the record's prompt, and rejected follow chosen
         text = tokenizer.apply_chat_template(messages, tokenize=False).rstrip()  # drop "\n" after eos
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:

@@ -149,6 +149,11 @@ def test_rewards_read_where_rm_trains_them(family_dirs, family):
     record = {"input": "12+34=", "chosen": "46", "rejected": "47"}
     want = rm.tokenize_response(record, "chosen", tok, args).tolist()
     assert bos_count(want, tok) == int(adds_bos) and ends_in_one_eos(want, tok)
+    if family in CHAT:  # the prompt as messages: the same ids, and rejected follows the prompt alone (not chosen)
+        turns = {**record, "input": [{"role": "user", "content": "12+34="}]}
+        assert [rm.tokenize_response(turns, k, tok, args).tolist() for k in ("chosen", "rejected")] == \
+            [rm.tokenize_response(record, k, tok, args).tolist() for k in ("chosen", "rejected")]
+        assert turns["input"] == [{"role": "user", "content": "12+34="}]  # the record as it was
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).eval()
     model.resize_token_embeddings(len(tok))

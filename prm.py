@@ -139,14 +139,60 @@ def tokenize_sample(record, where, tokenizer, placeholder_id, reward_tokens, rew
     return ids, labels, False
 
 
+def steps_of(text, separator):
+    """The steps of a solution's text: its pieces between separators, blank pieces not counted, at least one (the
+    whole text). -> (the indices of the step pieces, the pieces)."""
+    pieces = text.split(separator)
+    steps = [i for i, p in enumerate(pieces) if p.strip()]
+    return steps or [len(pieces) - 1], pieces
+
+
+def with_placeholders(text, separator, placeholder):
+    """A solution written as this script's data has it: the placeholder after every step ("07+45=52 ки\n...")."""
+    steps, pieces = steps_of(text, separator)
+    for i in steps:
+        pieces[i] = pieces[i].rstrip() + " " + placeholder
+    return separator.join(pieces)
+
+
+def check_saved(config, tokenizer, path):
+    """A saved PRM as a judge: its config names the placeholder and the two reward tokens (this script writes
+    them; a config with only their ids gets their text from the tokenizer), and its tokenizer still makes each of
+    them one token; else one line saying what is wrong."""
+    if getattr(config, "placeholder_token_id", None) is None:
+        common.fail(f"{path} has no placeholder_token_id in its config: not a prm.py model")
+    if len(config.reward_token_ids) != 2 or len(set(config.reward_token_ids)) != 2:
+        common.fail(f"{path}: reward_token_ids {config.reward_token_ids} must be two distinct tokens (good, bad)")
+    if getattr(config, "placeholder_token", None) is None:  # a config with the ids alone: the tokens' own text
+        config.placeholder_token = tokenizer.decode([config.placeholder_token_id])
+    if getattr(config, "reward_tokens", None) is None:
+        config.reward_tokens = [tokenizer.decode([i]) for i in config.reward_token_ids]
+    for token, want in [(config.placeholder_token, config.placeholder_token_id),
+                        *zip(config.reward_tokens, config.reward_token_ids)]:
+        ids = tokenizer(token, add_special_tokens=False)["input_ids"]
+        if ids != [want] and tokenizer.convert_tokens_to_ids(token) != want:  # (sentencepiece: a lone "▁+")
+            common.fail(f"{path}: {token!r} encodes to {ids} in its tokenizer, not to the one token {want} its config "
+                        "names (a PRM reads its judgement at one token)")
+
+
 @torch.no_grad()
+def step_probabilities(model, seqs, pad_id):
+    """A saved PRM's judgement of token sequences (1-D tensors, one padded forward): for each, the probability of
+    the first reward token (good) at every placeholder, as prm_loss trained it. The one PRM scorer: serve_rm.py and
+    the RL scripts' process rewards (process_rewards.py) use it too."""
+    cfg, device = model.config, next(model.parameters()).device
+    ids, mask, _ = common.batch_sequences(list(seqs), pad_id, False)
+    ids, mask = ids.to(device), mask.to(device)
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    probs = torch.softmax(logits[..., cfg.reward_token_ids].float(), -1)[..., 0]
+    return [probs[i][(ids[i] == cfg.placeholder_token_id) & mask[i].bool()].tolist() for i in range(len(seqs))]
+
+
 def score_steps(model, tokenizer, text):
-    """Per-step probability that the step is good (of the first reward token), for a saved PRM."""
-    cfg = model.config
-    ids = tokenizer(text, return_tensors="pt")["input_ids"].to(model.device)
-    logits = model(input_ids=ids, use_cache=False).logits[0]
-    at = ids[0] == cfg.placeholder_token_id
-    return torch.softmax(logits[at][:, cfg.reward_token_ids].float(), -1)[:, 0].tolist()
+    """Per-step probability that the step is good (of the first reward token), for a saved PRM: one text with its
+    placeholders, tokenized as prm.py tokenizes its data."""
+    ids = tokenizer(text, return_tensors="pt")["input_ids"][0]
+    return step_probabilities(model, [ids], tokenizer.pad_token_id)[0]
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.utils.rnn import pad_sequence
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModelForSequenceClassification
 
 import common
 from common import console, fail
@@ -51,7 +51,9 @@ def add_rollout_args(parser, policy_gradient=True):
     a("--vllm_num_engines", type=int, default=1, help="with --ray: how many vLLM engines")
     a("--vllm_tensor_parallel_size", type=int, default=1, help="GPUs per engine (--vllm: that many ranks share one)")
     a("--enable_prefix_caching", action="store_true", help="vLLM reuses the KV cache of shared prompt prefixes")
-    a("--reward_pretrain", default=None, help="a sequence-classification reward model")
+    a("--reward_pretrain", default=None, help="a sequence-classification reward model, or a prm.py model")
+    a("--prm_reduce", default="min", choices=("min", "last", "mean"), help="a PRM's reward: its step scores reduced")
+    a("--step_separator", default="\n", help="what ends a reasoning step (for a PRM and --process_rewards)")
     a("--remote_rm_url", default=None, help="reward server URL (/get_reward API) or a .py file with reward_func")
     a("--remote_rm_batch_size", type=int, default=64, help="queries per HTTP request")
     a("--remote_rm_timeout", type=float, default=60.0, help="seconds per HTTP request")
@@ -69,6 +71,8 @@ def add_rollout_args(parser, policy_gradient=True):
            "--top_p 1, else none)")
     a("--rollout_correction_bounds", type=float, nargs=2, default=None, metavar=("LO", "HI"),
       help="the weights' range (default: 0 2 for *-truncate, 0.5 5 for *-mask)")
+    a("--process_rewards", action="store_true",
+      help="train on per-step scores (step_rewards from the reward source; see process_rewards.py)")
     a("--agent_func_path", default=None,
       help="multi-turn episodes with an OpenRLHF agent file (AgentInstance/AgentExecutor), which gives the rewards")
     a("--max_turns", type=int, default=None, help="with --agent_func_path: turns per episode (default: no limit)")
@@ -78,9 +82,19 @@ def add_rollout_args(parser, policy_gradient=True):
 
 
 def check_one_reward(args):
-    """grpo.py and ppo.py: exactly one source of rewards."""
-    if sum(x is not None for x in (args.remote_rm_url, args.reward_pretrain, args.agent_func_path)) != 1:
+    """grpo.py and ppo.py: exactly one source of rewards (with --process_rewards a local PRM may come with an outcome
+    reward, --remote_rm_url)."""
+    sources = [args.remote_rm_url, args.reward_pretrain, args.agent_func_path]
+    if args.process_rewards and args.agent_func_path:
+        fail("--process_rewards scores the steps of one completion; an agent's episodes are scored by the agent")
+    if args.process_rewards and args.remote_rm_url and args.reward_pretrain:
+        sources = sources[1:]  # the PRM judges the steps, --remote_rm_url the outcome (process_rewards.py)
+    if sum(x is not None for x in sources) != 1:
         fail("give exactly one reward: --remote_rm_url (URL or .py file), --reward_pretrain or --agent_func_path")
+    if args.process_rewards and args.reward_pretrain:
+        if not is_prm(args.reward_pretrain, args):
+            fail(f"--process_rewards: {args.reward_pretrain} is not a prm.py model (no placeholder_token_id in its "
+                 "config); a sequence classifier gives no step scores")
 
 
 def check_rl_options(args):
@@ -206,6 +220,7 @@ class Rollout:
     logprobs: torch.Tensor = None  # [N, R] each sampled token's log-prob as the engine sampled it (vLLM; else None)
     version: int = None  # the trainer step whose weights sampled it (vLLM)
     agent_rewards: tuple = None  # episodes: the agent's (rewards [N], scores [N], extra logs {name: [N]})
+    step_rewards: tuple = None  # --process_rewards: ([N, R] each step's score at the token ending it, [N, R] bool)
     generate_s: float = 0.0  # seconds spent generating
     cursor: int = 0  # the prompt stream's position after these prompts (a checkpoint resumes there)
 
@@ -267,7 +282,8 @@ class Rollout:
                        generate_s=self.generate_s, cursor=self.cursor)
 
 
-PER_SAMPLE = ("records", "responses", "lengths", "action_mask", "stopped", "logprobs", "agent_rewards")  # Rollout's
+PER_SAMPLE = ("records", "responses", "lengths", "action_mask", "stopped", "logprobs", "agent_rewards",  # Rollout's
+              "step_rewards")
 
 
 # ------------------------------------------------------------------------------------------ generation
@@ -379,7 +395,7 @@ def generate_hf(model, tokenizer, prompts, temperature, top_p=1.0, max_new_token
 
 
 # -------------------------------------------------------------------------------------------- rewards
-def reward_client(target, batch_size=64, timeout=60.0, retries=3, backoff=1.0):
+def reward_client(target, batch_size=64, timeout=60.0, retries=3, backoff=1.0, parse=None):
     """--remote_rm_url for the RL scripts -> f(queries, prompts, labels) -> (rewards, scores, extra_logs):
     float tensors of len(queries), and {name: tensor of len(queries)}. The target is one of:
       http(s)://host:port/get_reward   OpenRLHF's JSON API: POST {"query": [...], "prompts": [...],
@@ -393,11 +409,13 @@ def reward_client(target, batch_size=64, timeout=60.0, retries=3, backoff=1.0):
             labels   list       each sample's --label_key value from the dataset (None without --label_key)
           It returns len(queries) floats (a list or 1-D tensor), or a dict {"rewards": floats, "scores":
           floats (optional, used by --dynamic_filtering; default the rewards), "extra_logs": {name: floats}
-          (optional, logged as means)}. Anything else stops the run with an error saying what was wrong."""
+          (optional, logged as means)}. Anything else stops the run with an error saying what was wrong.
+    `parse` reads a reply instead of check_rewards (process_rewards.py: also its step_rewards)."""
+    parse = parse or check_rewards
     if str(target).startswith(("http://", "https://")):
-        return lambda q, p, l: remote_rewards(target, q, p, l, batch_size, timeout, retries, backoff)
+        return lambda q, p, l: remote_rewards(target, q, p, l, batch_size, timeout, retries, backoff, parse)
     reward_func, source = load_reward_func(target), f"reward_func in {target}"
-    return lambda q, p, l: check_rewards(reward_func(q, p, l), len(q), source)
+    return lambda q, p, l: parse(reward_func(q, p, l), len(q), source)
 
 
 def user_module(path, refusal):
@@ -457,7 +475,8 @@ def check_rewards(out, n, source):
     fail(f"{source}: returned {type(out).__name__}; expected a list/tensor of floats or a dict with 'rewards'")
 
 
-def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, retries=3, backoff=1.0):
+def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, retries=3, backoff=1.0,
+                   parse=check_rewards):
     """POST {"query", "prompts", "labels"} to `url` in batches and read the rewards back. Connection
     errors, timeouts, 5xx and 429 are retried `retries` times, waiting backoff, 2*backoff, ...; after the
     last one (or at once on any other 4xx) it stops with an error naming the URL and the cause: a
@@ -473,7 +492,7 @@ def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, r
                 try:
                     response = client.post(url, json=payload)
                     if response.status_code < 400:
-                        outs.append(check_rewards(response.json(), len(payload["query"]), url))
+                        outs.append(parse(response.json(), len(payload["query"]), url))
                         break
                     error = f"HTTP {response.status_code}: {response.text[:200]}"
                     if response.status_code < 500 and response.status_code != 429:
@@ -484,9 +503,9 @@ def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, r
                     fail(f"reward server {url} failed {retries + 1} times; last error: {error}")
                 console.print(f"reward server {url}: {error}; retrying in {backoff * 2 ** attempt:g} s")
                 time.sleep(backoff * 2 ** attempt)
-    rewards, scores, logs = zip(*outs)  # per request
-    return torch.cat(rewards), torch.cat(scores), {k: torch.cat([x[k] for x in logs]) for k in logs[0]
-                                                   if all(k in x for x in logs)}
+    rewards, scores, logs, *more = zip(*outs)  # per request; more: parse's other fields (lists per query)
+    return (torch.cat(rewards), torch.cat(scores), {k: torch.cat([x[k] for x in logs]) for k in logs[0]
+                                                    if all(k in x for x in logs)}, *[sum(m, []) for m in more])
 
 
 @torch.no_grad()
@@ -525,9 +544,18 @@ def reward_fn(args, tokenizer, cfg, client, offload=False, normalize=False):
     text, or --reward_pretrain's score at EOS (rm_reward), or the agent's, which the episodes carry."""
     if args.agent_func_path:
         return lambda batch: batch.agent_rewards
+    if getattr(args, "process_rewards", False) or args.reward_pretrain and is_prm(args.reward_pretrain, args):
+        import process_rewards  # step scores, or a process reward model's
+        return process_rewards.reward_fn(args, tokenizer, cfg, client, offload)
     if client:
         return lambda batch: client_rewards(client, batch, tokenizer)
     return rm_reward(args, tokenizer, cfg, offload, normalize)
+
+
+def is_prm(path, args):
+    """Whether a reward model is a process reward model (prm.py writes its placeholder into the config)."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    return getattr(config, "placeholder_token_id", None) is not None
 
 
 def rm_reward(args, tokenizer, cfg, offload, normalize):

@@ -26,7 +26,9 @@ Reward kinds (--rm_type):
                    mean/std in its config
   causal_lm_token  a causal LM's logit of --reward_token_id at the position after the query
   prm              a prm.py model: P(first reward token) at every step placeholder, reduced per query
-                   with --prm_reduce min|last|mean
+                   with --prm_reduce min|last|mean; a query sent without placeholders (an RL trainer's) gets one
+                   after each step of its completion (the text after its "prompts" entry; steps end at
+                   --step_separator), as prm.py's data has them
 
 What is scored (seq_cls), so that rm.py's models score as they were trained and OpenRLHF's trainer gets
 what OpenRLHF's own serve_rm gives it:
@@ -66,6 +68,7 @@ from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError, model_va
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import common
+import prm
 
 
 # -------------------------------------------------------------------------------------------- requests
@@ -130,6 +133,17 @@ def strip_ends(text, tokenizer):
     return text
 
 
+def prm_query(query, prompt, tokenizer, placeholder, separator):
+    """prm: a query sent without any placeholder (an RL trainer's prompt + completion) gets one after each step of
+    its completion, the part after its entry in "prompts" (else the whole query), as prm.py's data has them; its end
+    pads/eos are dropped first. A query with placeholders is scored as sent."""
+    if placeholder in query:
+        return query
+    query = strip_ends(query, tokenizer)
+    head = prompt if prompt and query.startswith(prompt) else ""
+    return head + prm.with_placeholders(query[len(head):], separator, placeholder)
+
+
 def tokenize(text, tokenizer, args):
     """Token ids as scored: the text's own, no special token added (a BOS only where the text has one, as
     OpenRLHF's serve_rm). seq_cls: the text without its end pads/eos (strip_ends), then the one EOS the reward
@@ -146,6 +160,8 @@ def tokenize(text, tokenizer, args):
 @torch.no_grad()
 def score_batch(model, batch, args, pad_id):
     """One padded forward over token-id lists -> a float per sequence (prm: a list of step probabilities)."""
+    if args.rm_type == "prm":  # P(good) at each placeholder
+        return prm.step_probabilities(model, [torch.tensor(b) for b in batch], pad_id)
     device = next(model.parameters()).device
     ids, mask, _ = common.batch_sequences([torch.tensor(b) for b in batch], pad_id, False)
     ids, mask = ids.to(device), mask.to(device)
@@ -157,10 +173,6 @@ def score_batch(model, batch, args, pad_id):
         keep, col = torch.unique(last, return_inverse=True)  # a 1-D index: what every model's forward takes
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=keep).logits
         return logits[torch.arange(len(batch)), col, args.reward_token_id].float().tolist()
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    cfg = model.config  # prm: P(first reward token) at each placeholder
-    probs = torch.softmax(logits[..., cfg.reward_token_ids].float(), -1)[..., 0]
-    return [probs[i][(ids[i] == cfg.placeholder_token_id) & mask[i].bool()].tolist() for i in range(len(batch))]
 
 
 def load(args):
@@ -171,8 +183,8 @@ def load(args):
     if torch.cuda.is_available() and not args.load_in_4bit:  # bitsandbytes places 4-bit weights itself
         kwargs["device_map"] = "cuda"  # loaded straight onto the GPU, not first into CPU memory
     model = common.load_model(args.reward_pretrain, args, tokenizer, trainable=False, **kwargs).eval()
-    if args.rm_type == "prm" and not hasattr(model.config, "placeholder_token_id"):
-        common.fail(f"{args.reward_pretrain} has no placeholder_token_id in its config: not a prm.py model")
+    if args.rm_type == "prm":
+        prm.check_saved(model.config, tokenizer, args.reward_pretrain)
     if args.rm_type == "causal_lm_token" and args.reward_token_id is None:
         common.fail("--rm_type causal_lm_token needs --reward_token_id")
     args.mean, args.std = 0.0, 1.0
@@ -253,7 +265,9 @@ async def request_texts(request: Request, args, state):
     if "batcher" not in state:
         return error(503, "loading the model")
     if req.messages is None:
-        return req.query
+        return req.query if args.rm_type != "prm" else [
+            prm_query(q, p, state["tokenizer"], state["placeholder"], args.step_separator)
+            for q, p in zip(req.query, req.prompts or [None] * n)]
     tokenizer = state["tokenizer"]
     if not tokenizer.chat_template:
         return error(422, "messages: this model's tokenizer has no chat template; send 'query'")
@@ -270,10 +284,15 @@ def create_app(args):
         try:
             start = time.time()
             tokenizer, model = load(args)
-            state.update(tokenizer=tokenizer, batcher=Batcher(model, args, tokenizer.pad_token_id))
+            state.update(tokenizer=tokenizer, batcher=Batcher(model, args, tokenizer.pad_token_id),
+                         placeholder=getattr(model.config, "placeholder_token", None))
             common.console.print(f"serve_rm: model loaded in {time.time() - start:.1f} s; ready", markup=False)
         except SystemExit as e:  # a clear load error: say it and stop the server
             common.console.print(str(e), markup=False)
+            os._exit(1)
+        except Exception as e:  # anything else would leave /health at 503 for ever
+            common.console.print(f"serve_rm: loading {args.reward_pretrain} failed: {type(e).__name__}: {e}",
+                                 markup=False)
             os._exit(1)
 
     @asynccontextmanager
@@ -341,6 +360,7 @@ def main():
     a("--rm_type", default="seq_cls", choices=("seq_cls", "causal_lm_token", "prm"))
     a("--reward_token_id", type=int, default=None, help="causal_lm_token: the token whose logit is the reward")
     a("--prm_reduce", default="min", choices=("min", "last", "mean"), help="prm: one reward from the steps")
+    a("--step_separator", default="\n", help="prm: what ends a step of a query sent without placeholders")
     a("--normalize_reward", action="store_true", help="seq_cls: (r - mean) / std with the config's mean/std")
     a("--max_len", type=int, default=2048, help="longest sequence scored (longer ones are truncated)")
     a("--bf16", action="store_true")

@@ -15,6 +15,7 @@ Layout of toy_world/:
     sft_{train,test}.jsonl      {"input": "07+45=", "output": "52"}
     pref_{train,test}.jsonl     {"input": "07+45=", "chosen": "52", "rejected": "53"}
     steps_{train,test}.jsonl    {"input": "07+45+08\n", "output": "07+45=52\n52+08=60"}  (running sums, step by step)
+    steps_prompts_{train,test}.jsonl {"input": "07+45+08\n", "label": "60"}  (their RL prompts: the final total)
     prm_{train,test}.jsonl      {"input": "07+45+08\n07+45=52 ки\n25+08=33 ки", "label": ["+", "-"]}
     prompts_{train,test}.jsonl  {"input": "07+45=", "label": "52"}       (RL prompts; reward_func below scores them)
     tool_{train,test}.jsonl     {"input": "07+x=", "label": "45"}        (the tool task's prompts: toy_agent.py knows x)
@@ -33,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 TOY_DIR = Path(os.environ.get("TOY_WORLD_DIR", Path(__file__).resolve().parent / "toy_world"))
-VERSION = "4"  # bump when the generator changes, so stale worlds get rebuilt
+VERSION = "5"  # bump when the generator changes, so stale worlds get rebuilt
 PLACEHOLDER = "ки"  # step marker for PRM data (Math-Shepherd's), one token in the toy tokenizer
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # the tokenizer's special tokens, in vocabulary order
 N_TEST = 500  # held-out prompts; the other 9,500 of the 10,000 "ab+cd=" prompts are for training
@@ -153,6 +154,8 @@ def build_datasets(rng):
         problems = [running_sum_terms(rng) for _ in range(len(ps))]
         data[f"steps_{split}"] = [steps_example(terms) for terms in problems]
         data[f"prm_{split}"] = [prm_example(terms, rng) for terms in problems]
+        data[f"steps_prompts_{split}"] = [{"input": steps_example(terms)["input"], "label": f"{sum(terms):02d}"}
+                                          for terms in problems]
     tool = random.Random(1)  # a stream of its own: the datasets above stay as they were
     for split, ps in splits.items():
         data[f"tool_{split}"] = [{"input": f"{a:02d}+x=", "label": f"{b:02d}"} for a, b in ps]
@@ -171,11 +174,14 @@ def tool_sft_examples(a, b, rng, ask=0.3):
 
 def reward_func(queries, prompts, labels):
     """The toy task's rule reward, grpo.py's default --remote_rm_url (so this file doubles as an example
-    reward function): 1.0 when the completion is exactly the label (the sum), else 0.0, also logged as
-    accuracy. queries are prompt + completion as the policy saw them, special tokens included ("<s>12+34=46</s>"):
+    reward function): 1.0 when the completion's answer is the label (the sum), else 0.0, also logged as
+    accuracy. The answer is the whole completion for an addition ("07+45=" -> "52"), and for a running sum (its
+    prompt ends in a newline) the number after the last "=" (the outcome; the steps before it are not checked).
+    queries are prompt + completion as the policy saw them, special tokens included ("<s>12+34=46</s>"):
     the completion is what follows the prompt, read without them."""
-    completions = [re.sub("|".join(map(re.escape, SPECIALS)), "", q[len(p):]) for q, p in zip(queries, prompts)]
-    correct = [float(c.strip() == str(label)) for c, label in zip(completions, labels)]
+    completions = [re.sub("|".join(map(re.escape, SPECIALS)), "", q[len(p):]).strip() for q, p in zip(queries, prompts)]
+    answers = [c.rsplit("=", 1)[-1] if p.endswith("\n") else c for c, p in zip(completions, prompts)]
+    correct = [float(a == str(label)) for a, label in zip(answers, labels)]
     return {"rewards": correct, "scores": correct, "extra_logs": {"accuracy": correct}}
 
 

@@ -174,7 +174,8 @@ def ours(task, model_dir, data, steps, batch, world, variant=""):
              "--max_norm", 1.0, "--seed", SEED, "--logging_steps", 1, "--use_tensorboard", tb, "--save_path", run,
              "--max_len", 512]
     if task == "grpo":
-        flags += ["--remote_rm_url", ROOT / "bench" / f"{w['reward']}.py", "--n_samples_per_prompt", GRPO_N, "--rollout_batch_size", batch,
+        flags += ["--remote_rm_url", ROOT / "bench" / f"{w['reward']}.py", "--n_samples_per_prompt", GRPO_N,
+                  "--rollout_batch_size", batch,
                   "--train_batch_size", batch * GRPO_N, "--micro_train_batch_size", batch * GRPO_N,
                   "--micro_rollout_batch_size", batch * GRPO_N, "--generate_max_len", 32, "--prompt_max_len", 512,
                   "--max_samples", batch * steps, "--temperature", w["temperature"], "--packing_samples"]

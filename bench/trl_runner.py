@@ -81,7 +81,8 @@ def main():
         trainer = GRPOTrainer(model=model, reward_funcs=REWARDS[cfg["reward"]], train_dataset=data,
                               processing_class=tokenizer, callbacks=[timer], args=GRPOConfig(
                                   num_generations=cfg["n"], max_completion_length=cfg["gen_len"],
-                                  temperature=cfg["temperature"], top_p=1.0, beta=0.0, loss_type="dapo", scale_rewards="group", num_iterations=1,
+                                  temperature=cfg["temperature"], top_p=1.0, beta=0.0, loss_type="dapo",
+                                  scale_rewards="group", num_iterations=1,
                                   use_vllm=False, **common))
     trainer.train()
     out = {"step_end_times": timer.times, "losses": timer.losses, "completion_lens": timer.completion_lens,

@@ -90,6 +90,32 @@ def call_score_steps(toy_world, tokenizer):
     assert len(got) == 2 and got == pytest.approx(want, abs=1e-6)
 
 
+def call_step_probabilities(toy_world, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(toy_world / "model")
+    placeholder, good, bad = tokenizer.convert_tokens_to_ids(["=", "1", "2"])
+    model.config.placeholder_token_id, model.config.reward_token_ids = placeholder, [good, bad]
+    seqs = [torch.tensor(tokenizer(t)["input_ids"]) for t in ("12+34=46+5=", "7=")]
+    got = prm.step_probabilities(model, seqs, tokenizer.pad_token_id)
+    want = []
+    for ids in seqs:  # one at a time, no padding, float64 softmax
+        with torch.no_grad():
+            logits = model(ids[None]).logits[0].double()
+        want.append([torch.softmax(logits[i, [good, bad]], -1)[0].item()
+                     for i in range(len(ids)) if ids[i] == placeholder])
+    assert [len(g) for g in got] == [2, 1]
+    assert [x for g in got for x in g] == pytest.approx([x for w in want for x in w], abs=1e-6)
+
+
+def call_process_advantages():
+    # one group of two: steps scoring 1, 0 (sample 1, ending at tokens 0 and 2) and 1 (sample 2, at token 1);
+    # mean 2/3, unbiased std 1/sqrt(3): normalized 1/sqrt(3), -2/sqrt(3), 1/sqrt(3)
+    rewards = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], **F64)
+    ends = torch.tensor([[True, False, True], [False, True, False]])
+    got = grpo.process_advantages(rewards, ends, 2, 0.0)
+    r3 = 1 / math.sqrt(3)
+    close(got, [[r3 - 2 * r3, -2 * r3, -2 * r3], [r3, r3, 0.0]])
+
+
 def call_group_advantages():
     got = grpo.group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, "rloo")
     assert got.tolist() == [1.0, -1.0, 0.0, 0.0]
@@ -194,7 +220,8 @@ def call_rollout_correction_weights():
 
 
 CALLS = {"sft.sft_loss": call_sft_loss, "rm.pairwise_loss": call_pairwise_loss, "prm.prm_loss": call_prm_loss,
-         "prm.score_steps": call_score_steps, "grpo.group_advantages": call_group_advantages,
+         "prm.score_steps": call_score_steps, "prm.step_probabilities": call_step_probabilities,
+         "grpo.process_advantages": call_process_advantages, "grpo.group_advantages": call_group_advantages,
          "grpo.token_advantages": call_token_advantages, "grpo.policy_loss": call_policy_loss,
          "grpo.token_policy_loss": call_token_policy_loss, "grpo.aggregate_loss": call_aggregate_loss,
          "ppo.kl_penalized_rewards": call_kl_penalized_rewards, "ppo.compute_gae": call_compute_gae,

@@ -159,14 +159,18 @@ def test_causal_lm_token_and_prm(models):
         assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5
     finally:
         server.close()
-    solutions = ["<s>05+15+07\n05+15=20 ки\n20+07=27 ки", "10+20\n10+20=30 ки", "1+1\nno steps here"]
+    solutions = ["<s>05+15+07\n05+15=20 ки\n20+07=27 ки", "10+20\n10+20=30 ки", "1+1\nno steps here",
+                 "<s>05+15+07\n05+15=20\n20+07=27</s>"]  # an RL trainer's query: its prompt is sent too
+    prompts = ["", "", "", "<s>05+15+07\n"]
     server = Server("--reward_pretrain", models / "lm", "--rm_type", "prm", "--prm_reduce", "min")
     try:
-        reply = server.post({"query": solutions}).json()
+        reply = server.post({"query": solutions, "prompts": prompts}).json()
     finally:
         server.close()
     placeholder, reward_ids = lm.config.placeholder_token_id, lm.config.reward_token_ids
-    for text, steps, reward in zip(solutions, reply["step_rewards"], reply["rewards"]):
+    # sent without placeholders: one after each step of the completion (the text after the prompt), as prm.py's data
+    scored = solutions[:2] + ["1+1 ки\nno steps here ки", "<s>05+15+07\n05+15=20 ки\n20+07=27 ки"]
+    for text, steps, reward in zip(scored, reply["step_rewards"], reply["rewards"]):
         ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         logits = lm(ids).logits[0]
         want = torch.softmax(logits[ids[0] == placeholder][:, reward_ids], -1)[:, 0].tolist()

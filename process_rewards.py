@@ -1,0 +1,148 @@
+"""Process rewards: a step-by-step judge's scores as dense rewards in grpo.py and ppo.py (--process_rewards), and a
+process reward model (prm.py's output) as a reward source at all (--reward_pretrain runs/prm). Imported only then.
+
+The step contract. A completion's steps are the pieces of its text (decoded without special tokens) between
+occurrences of --step_separator (default a newline), empty or blank pieces not counted; a completion in which the
+separator never occurs (or with no text at all) is one step. A step ends at the completion token whose text
+completes the separator after it (byte-level BPE may merge the separator with its neighbours: the token that holds
+its last character), the last step at the completion's last token (its EOS, or the token where --generate_max_len
+cut it). Steps that end in the same token (a step shorter than a token) count as one there, with the last one's
+score.
+
+A reward source gives one score per step next to the per-sample reward:
+    {"rewards": [...], "step_rewards": [[score of step 1, step 2, ...], ...]}
+from a reward_func file (your code) or a /get_reward server (serve_rm.py --rm_type prm sends them); or a local
+prm.py model (--reward_pretrain) scores them: the completion gets the PRM's placeholder after each step, as prm.py's
+data has it ("07+45=52 ки\\n52+08=60 ки"), and the step score is P(good) at each placeholder (prm.step_probabilities,
+the scorer serve_rm.py uses too). Scores travel as a rollout's step_rewards: ([N, R] each step's score on the token
+that ends it, [N, R] bool the step ends).
+
+What the scripts do with them: ppo.py puts each step's score on the token that ends it (Math-Shepherd), grpo.py
+normalizes them per group (grpo.process_advantages, DeepSeekMath). The source's per-sample rewards are logged (and
+drive --dynamic_filtering); an outcome reward to train on besides the steps comes from a second source: a rule or
+server (--remote_rm_url) next to a local PRM (--reward_pretrain).
+"""
+
+import math
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import common
+import prm
+import rollout
+from common import fail
+
+REDUCE = {"min": min, "last": lambda s: s[-1], "mean": lambda s: sum(s) / len(s)}
+
+
+def step_ends(response, tokenizer, separator):
+    """The index of the token ending each step of one completion (response: its token ids, [R]), by the contract
+    above. The text of the first k tokens is a prefix of the whole text, so the separators it holds only grow with k:
+    each separator's token is found by bisection, about log2(R) decodes a step."""
+    decode = lambda k: tokenizer.decode(response[:k], skip_special_tokens=True)  # noqa: E731
+    steps, _ = prm.steps_of(decode(len(response)), separator)
+    ends, lo = [], 0
+    for i in steps[:-1]:  # piece i ends at separator i + 1
+        hi = len(response)
+        while lo < hi:  # the fewest tokens whose text holds i + 1 separators
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if decode(mid).count(separator) < i + 1 else (lo, mid)
+        ends.append(lo - 1)
+    ends.append(len(response) - 1)  # the last step ends with the completion
+    return ends
+
+
+def step_tensors(scores, ends, shape):
+    """Per-step scores (a list per sample) at their end tokens -> ([N, R] scores, [N, R] bool step ends)."""
+    values, mask = torch.zeros(shape), torch.zeros(shape, dtype=torch.bool)
+    for i, (s, e) in enumerate(zip(scores, ends)):
+        values[i, e] = torch.tensor(s, dtype=torch.float32)  # a repeated end keeps the last score
+        mask[i, e] = True
+    return values, mask
+
+
+def check_step_counts(step_lists, ends, source, separator):
+    for i, (s, e) in enumerate(zip(step_lists, ends)):
+        if len(s) != len(e):
+            fail(f"{source}: step_rewards[{i}] has {len(s)} scores but completion {i} has {len(e)} steps "
+                 f"(pieces between {separator!r} separators; see process_rewards.py)")
+
+
+def parse_with_steps(out, n, source):
+    """rollout.check_rewards' reading of a reply, plus its step_rewards: n lists of finite floats."""
+    rewards, scores, logs = rollout.check_rewards(out, n, source)
+    steps = out.get("step_rewards") if isinstance(out, dict) else None
+    if steps is None:
+        fail(f"{source}: --process_rewards needs step_rewards (one list of step scores per query) and the "
+             "reply has none")
+    if not isinstance(steps, (list, tuple)) or len(steps) != n:
+        fail(f"{source}: step_rewards must be {n} lists of step scores, one per query")
+    out = []
+    for i, s in enumerate(steps):
+        try:
+            out.append(torch.tensor(s, dtype=torch.float32).flatten().tolist())
+        except (TypeError, ValueError, RuntimeError):
+            fail(f"{source}: step_rewards[{i}] is not a list of numbers: {str(s)[:80]!r}")
+        if not all(map(math.isfinite, out[-1])):
+            fail(f"{source}: step_rewards[{i}] holds NaN or infinity")
+    return rewards, scores, logs, out
+
+
+def load_prm(args, cfg, offload):
+    """The local PRM (frozen) and its tokenizer, with its placeholder and reward tokens checked one token each."""
+    tokenizer = common.load_tokenizer(args.reward_pretrain, args)
+    model = common.load_frozen(args.reward_pretrain, args, tokenizer, cfg, offload, model_class=AutoModelForCausalLM)
+    prm.check_saved(model.config, tokenizer, args.reward_pretrain)
+    return model, tokenizer
+
+
+def reward_fn(args, tokenizer, cfg, client, offload=False):
+    """The reward as rollout.reward_fn gives it, f(batch) -> (rewards [N], scores [N], logs), that also fills
+    batch.step_rewards with --process_rewards. Sources: a local PRM (--reward_pretrain: per-sample reward the steps'
+    --prm_reduce, min by default) with or without --remote_rm_url (then that is the outcome reward), or --remote_rm_url
+    alone sending step_rewards."""
+    judge = load_prm(args, cfg, offload) if args.reward_pretrain else None
+    steps_client = None if judge else rollout.reward_client(args.remote_rm_url, args.remote_rm_batch_size,
+                                                           args.remote_rm_timeout, args.remote_rm_retries,
+                                                           parse=parse_with_steps)
+    # (make_pairs.py has none of these flags: a PRM judges its samples by the min over newline-separated steps)
+    process, warned = getattr(args, "process_rewards", False), []
+    separator, reduce = getattr(args, "step_separator", "\n"), REDUCE[getattr(args, "prm_reduce", "min")]
+
+    def score(batch):
+        responses = [r for _, r in batch.pairs()]
+        ends = [step_ends(r, tokenizer, separator) for r in responses]
+        if judge:
+            step_lists = prm_step_scores(*judge, batch, tokenizer, separator, args.micro_rollout_batch_size, offload
+                                         and args.zero_stage != 3)
+            reduced = torch.tensor([reduce(s) for s in step_lists])
+            rewards, scores, logs = reduced, reduced, {}
+            if client:  # the outcome reward beside the steps
+                rewards, scores, logs = rollout.client_rewards(client, batch, tokenizer)
+                logs = {**logs, "prm_reward": reduced}
+        else:
+            rewards, scores, logs, step_lists = rollout.client_rewards(steps_client, batch, tokenizer)
+        check_step_counts(step_lists, ends, args.reward_pretrain or args.remote_rm_url, separator)
+        if process and not warned and all(len(e) == 1 for e in ends) and len(ends) > 1:
+            warned.append(True)  # likely a separator the policy does not write (one warning a run)
+            common.console.print(f"--process_rewards: no completion of this batch has a {separator!r} separator: "
+                                 "each is one step (--step_separator)", markup=False)
+        if process:
+            batch.step_rewards = step_tensors(step_lists, ends, batch.responses.shape)
+        return rewards, scores, {**logs, "steps": torch.tensor([float(len(e)) for e in ends])}
+    return score
+
+
+def prm_step_scores(model, prm_tokenizer, batch, tokenizer, separator, chunk_size, offloaded):
+    """The PRM's P(good) of every step: the prompt's tokens as sampled, then the completion's text with the
+    placeholder after each step, tokenized by the PRM's tokenizer as prm.py tokenizes its data."""
+    seqs = []
+    for prompt, response in batch.pairs():
+        text = prm.with_placeholders(tokenizer.decode(response, skip_special_tokens=True), separator,
+                                 model.config.placeholder_token)
+        ids = prm_tokenizer(text, add_special_tokens=False)["input_ids"]
+        seqs.append(torch.cat([prompt, torch.tensor(ids, dtype=prompt.dtype)]))
+    with common.on_accelerator(model, offloaded) as m:
+        return [s for i in range(0, len(seqs), chunk_size)
+                for s in prm.step_probabilities(m, seqs[i:i + chunk_size], prm_tokenizer.pad_token_id)]

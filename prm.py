@@ -148,8 +148,11 @@ def steps_of(text, separator):
 
 
 def with_placeholders(text, separator, placeholder):
-    """A solution written as this script's data has it: the placeholder after every step ("07+45=52 ки\n...")."""
+    """A solution written as this script's data has it: the placeholder after every step ("07+45=52 ки\n..."). One
+    the text holds already (a policy may write it) is dropped, as it would read as one more step end; the steps are
+    still those of the text as written."""
     steps, pieces = steps_of(text, separator)
+    pieces = [p.replace(placeholder, "") for p in pieces]
     for i in steps:
         pieces[i] = pieces[i].rstrip() + " " + placeholder
     return separator.join(pieces)

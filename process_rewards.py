@@ -63,6 +63,7 @@ def step_tensors(scores, ends, shape):
 
 
 def check_step_counts(step_lists, ends, source, separator):
+    """One score per step found, or one line naming the first completion where the counts differ."""
     for i, (s, e) in enumerate(zip(step_lists, ends)):
         if len(s) != len(e):
             fail(f"{source}: step_rewards[{i}] has {len(s)} scores but completion {i} has {len(e)} steps "
@@ -78,15 +79,15 @@ def parse_with_steps(out, n, source):
              "reply has none")
     if not isinstance(steps, (list, tuple)) or len(steps) != n:
         fail(f"{source}: step_rewards must be {n} lists of step scores, one per query")
-    out = []
+    lists = []
     for i, s in enumerate(steps):
         try:
-            out.append(torch.tensor(s, dtype=torch.float32).flatten().tolist())
+            lists.append(torch.tensor(s, dtype=torch.float32).flatten().tolist())
         except (TypeError, ValueError, RuntimeError):
             fail(f"{source}: step_rewards[{i}] is not a list of numbers: {str(s)[:80]!r}")
-        if not all(map(math.isfinite, out[-1])):
+        if not all(map(math.isfinite, lists[-1])):
             fail(f"{source}: step_rewards[{i}] holds NaN or infinity")
-    return rewards, scores, logs, out
+    return rewards, scores, logs, lists
 
 
 def load_prm(args, cfg, offload):
@@ -140,7 +141,7 @@ def prm_step_scores(model, prm_tokenizer, batch, tokenizer, separator, chunk_siz
     seqs = []
     for prompt, response in batch.pairs():
         text = prm.with_placeholders(tokenizer.decode(response, skip_special_tokens=True), separator,
-                                 model.config.placeholder_token)
+                                     model.config.placeholder_token)
         ids = prm_tokenizer(text, add_special_tokens=False)["input_ids"]
         seqs.append(torch.cat([prompt, torch.tensor(ids, dtype=prompt.dtype)]))
     with common.on_accelerator(model, offloaded) as m:

@@ -4,20 +4,22 @@
 
 1. The start policy: sft.py on the steps data, stopped early (--start_samples records, 2 epochs; the demo's
    runs/sft_steps takes all 9,500 for 4 and writes 99% of held-out solutions exactly), so RL has room.
-2. Its own samples (2 per held-out problem, temperature 1) labelled by the rule, Math-Shepherd style: a step is good
+2. Its own samples (2 per held-out problem, at the RL runs' --temperature) labelled by the rule, Math-Shepherd style: a step is good
    while every line up to it is the right one ("+"), bad from the first wrong line on ("-"); a solution that stops
    short has its last step bad. The demo's PRM (runs/prm: trained on misread carried totals only) judges them: step
    accuracy at P(good) > 0.5.
 3. A PRM that can judge them, with Math-Shepherd's Monte-Carlo labels from the start policy's own completions of the
    training problems: each step's label is the share of --mc_rollouts continuations from it (temperature 1) that
    reach the right total (the last step: whether the solution's own total is right), prm.py's soft labels; trained
-   from the demo's steps SFT like the demo's PRM. Judged on the same held-out samples.
+   from the demo's steps SFT like the demo's PRM. Judged on the same held-out samples: accuracy at 0.5, and AUC (how
+   often a good step scores above a bad one: what group-normalized step scores use). --judge picks the RL arms' PRM.
 4. RL from the start policy, one run per arm and seed, held-out greedy accuracy (the rule: the total after the last
    "=") before, during (--eval_steps) and after, and the wall time:
      grpo_rule      GRPO, the outcome rule as the reward (toy.py)
-     grpo_prm_orm   GRPO, the MC PRM's outcome reward only (the min over its step scores)
-     grpo_prm_prm   GRPO with --process_rewards (DeepSeekMath's process supervision from the MC PRM)
+     grpo_prm_orm   GRPO, the PRM's outcome reward only (the min over its step scores)
+     grpo_prm_prm   GRPO with --process_rewards (DeepSeekMath's process supervision from the PRM)
      ppo_prm_prm    PPO with --process_rewards (each step's score on its last token, Math-Shepherd)
+     grpo_rule_prm  GRPO with --process_rewards and the outcome rule beside (both advantages added)
 Stages 1-3 are cached in bench/.cache/prm_rl (delete it to redo them).
 """
 import argparse
@@ -38,7 +40,10 @@ import prm  # noqa: E402
 import toy  # noqa: E402
 
 WORK = ROOT / "bench" / ".cache" / "prm_rl"
-ARMS = ("grpo_rule", "grpo_prm_orm", "grpo_prm_prm", "ppo_prm_prm")
+ARMS = ("grpo_rule", "grpo_prm_orm", "grpo_prm_prm", "ppo_prm_prm", "grpo_rule_prm")
+RULE = "toy.py"  # relative (the runs' cwd is ROOT): grpo.py drops the toy world's own default path beside a reward model
+PRM_TOY = ["--max_len", 64, "--max_epochs", 6, "--train_batch_size", 32, "--micro_train_batch_size", 32,
+           "--learning_rate", 3e-4, "--lr_warmup_ratio", 0.1]
 
 
 def run(*cmd):
@@ -91,7 +96,7 @@ def sample(model, tok, prompts, n=1, temperature=1.0, max_new_tokens=48, batch=2
                              max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
                              eos_token_id=tok.eos_token_id)
         out += tok.batch_decode(gen[:, enc["input_ids"].size(1):], skip_special_tokens=True)
-    return out
+    return [c.replace(toy.PLACEHOLDER, "") for c in out]  # as the RL scripts' PRM reads them (a step end to it)
 
 
 def judge(prm_path, prompts, completions):
@@ -104,7 +109,12 @@ def judge(prm_path, prompts, completions):
 def accuracy(labels, scores):
     pairs = [(y, s > 0.5) for ys, ss in zip(labels, scores) for y, s in zip(ys, ss)]
     wrong = [(y, s) for y, s in pairs if not y]
-    return {"step_acc": sum(y == s for y, s in pairs) / len(pairs),
+    good = [s for ys, ss in zip(labels, scores) for y, s in zip(ys, ss) if y]
+    bad = [s for ys, ss in zip(labels, scores) for y, s in zip(ys, ss) if not y]
+    ranks = {s: r for r, s in enumerate(sorted(good + bad))}  # AUC: P(a good step scores above a bad one)
+    auc = (sum(ranks[s] for s in good) - len(good) * (len(good) - 1) / 2) / max(len(good) * len(bad), 1)
+    return {"step_acc": sum(y == s for y, s in pairs) / len(pairs), "auc": auc,
+            "good_steps_passed": sum(s for y, s in pairs if y) / max(len(good), 1),
             "bad_steps_caught": sum(not s for _, s in wrong) / max(len(wrong), 1),
             "steps": len(pairs), "bad_steps": len(wrong)}
 
@@ -158,13 +168,14 @@ def prepare(args, world):
         for name, part in (("mc_test", rows[:cut]), ("mc_train", rows[cut:])):
             (WORK / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in part))
         report["prm_mc_train_s"] = run(ROOT / "prm.py", "--pretrain", demo_sft, "--dataset", WORK / "mc_train.jsonl",
-                                       "--eval_dataset", WORK / "mc_test.jsonl", "--save_path", mc_prm)
+                                       "--eval_dataset", WORK / "mc_test.jsonl", "--save_path", mc_prm,
+                                       *PRM_TOY)  # prm.py's toy settings (they apply only without --dataset)
     if "demo_prm" not in report:
         model, tok = load(start)
         torch.manual_seed(1)
         test = [json.loads(x)["input"] for x in open(world / "steps_prompts_test.jsonl")]
         prompts = [p for p in test for _ in range(2)]
-        completions = sample(model, tok, test, n=2)
+        completions = sample(model, tok, test, n=2, temperature=args.temperature)
         labels = [rule_labels(p, c) for p, c in zip(prompts, completions)]
         report["start_sample_solutions_right"] = sum(all(y) for y in labels) / len(labels)
         for name, path in (("demo_prm", demo_prm), ("mc_prm", mc_prm)):
@@ -182,11 +193,13 @@ def arm_cmd(arm, start, judge_path, world, seed, args):
               "--rollout_batch_size", args.rollout_batch_size, "--n_samples_per_prompt", 8,
               "--train_batch_size", args.rollout_batch_size * 8, "--micro_train_batch_size", 64,
               "--micro_rollout_batch_size", 64, "--eval_steps", args.eval_steps, "--seed", seed,
+              "--temperature", args.temperature,
               "--eval_reward_func", toy.__file__, "--logging_steps", 1, "--save_path", out,
               "--use_tensorboard", WORK / "tb" / f"{arm}_seed{seed}_{time.time_ns()}"]
     script, flags = arm.split("_", 1)
-    reward = ["--remote_rm_url", toy.__file__] if flags == "rule" else ["--reward_pretrain", judge_path]
-    extra = ["--process_rewards"] if flags.endswith("prm_prm") else []
+    reward = (["--remote_rm_url", RULE] if flags.startswith("rule") else []) + \
+        (["--reward_pretrain", judge_path] if "prm" in flags else [])
+    extra = ["--process_rewards"] if flags in ("prm_prm", "rule_prm") else []
     lr = ["--learning_rate", args.lr] if script == "grpo" else ["--learning_rate", args.lr, "--critic_learning_rate",
                                                                  args.critic_lr, "--init_kl_coef", 0]
     return out, common[-1], [ROOT / f"{script}.py", *common, *reward, *extra, *lr]
@@ -203,17 +216,21 @@ def main():
     p.add_argument("--rollout_batch_size", type=int, default=32)
     p.add_argument("--eval_steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--temperature", type=float, default=0.7, help="the RL runs' sampling (and the judged samples')")
     p.add_argument("--critic_lr", type=float, default=1e-4)
+    p.add_argument("--judge", default="demo", choices=("demo", "mc"),
+                   help="the PRM of the RL arms: the demo's (better at ranking the start policy's steps) or the MC one")
     p.add_argument("--prepare_only", action="store_true")
     args = p.parse_args()
     world = toy.ensure_toy_world()
     start, mc_prm, report = prepare(args, world)
     if args.prepare_only:
         return
+    judge_path = mc_prm if args.judge == "mc" else ROOT / "runs" / "prm"
     runs = []
     for seed in args.seeds:
         for arm in args.arms:
-            out, tb, cmd = arm_cmd(arm, start, mc_prm, world, seed, args)
+            out, tb, cmd = arm_cmd(arm, start, judge_path, world, seed, args)
             wall = run(*cmd)
             r = json.loads((out / "eval_results.json").read_text())
             runs.append({"arm": arm, "seed": seed, "before": r["eval_accuracy_before"], "after": r["eval_accuracy"],

@@ -125,6 +125,8 @@ def test_placeholders_as_prm_data_has_them():
     assert prm.with_placeholders("07+45=52\n52+08=60", "\n", "ки") == "07+45=52 ки\n52+08=60 ки"
     assert prm.with_placeholders("07+45=52 \n\n52+08=60\n", "\n", "ки") == "07+45=52 ки\n\n52+08=60 ки\n"
     assert prm.with_placeholders("no steps here", "\n\n", "ки") == "no steps here ки"
+    # one the policy wrote is dropped (it would read as a step end), the steps kept
+    assert prm.with_placeholders("1+2=3 ки\nки\n3+3=6", "\n", "ки") == "1+2=3 ки\n ки\n3+3=6 ки"
 
 
 def fake_prm(toy_world, tmp_path):
@@ -157,6 +159,38 @@ def test_local_prm_scores_each_step_as_prm_py_would(toy_world, tmp_path):
     assert ends[0].nonzero().flatten().tolist() == [8, len(response) - 1]
     assert values[0, ends[0]].tolist() == pytest.approx(want, abs=1e-6)
     assert rewards.tolist() == pytest.approx([min(want)], abs=1e-6) and logs["steps"].tolist() == [2.0]
+
+
+def test_step_rewards_over_http_from_serve_rm(toy_world, tmp_path):
+    """serve_rm.py --rm_type prm as the step source (--remote_rm_url): the RL client sends the queries as it always
+    does (prompt + completion, special tokens kept, no placeholders) and gets the same step scores as the local PRM;
+    its plain reading (check_rewards, what OpenRLHF's client reads too) still works on the reply."""
+    from test_serve_rm import Server
+    from conftest import script_args
+
+    path, model, tok = fake_prm(toy_world, tmp_path)
+    prompts = [torch.tensor(tok(p)["input_ids"]) for p in ("07+45+08\n", "10+20\n")]
+    responses = [torch.tensor(tok(r, add_special_tokens=False)["input_ids"])
+                 for r in ("07+45=52\n52+08=60</s>", "10+20=31</s>")]
+    batch = rollout.Rollout.of([{"ids": p, "text": "", "label": None} for p in prompts], responses, tok.eos_token_id)
+    local = script_args(reward_pretrain=str(path), remote_rm_url=None, process_rewards=True, step_separator="\n",
+                        prm_reduce="min", micro_rollout_batch_size=8)
+    process_rewards.reward_fn(local, tok, None, None)(batch)
+    want = batch.step_rewards[0].clone()
+    server = Server("--reward_pretrain", path, "--rm_type", "prm")
+    try:
+        url = server.url + "/get_reward"
+        remote = script_args(**dict(vars(local), reward_pretrain=None, remote_rm_url=url), remote_rm_batch_size=1,
+                             remote_rm_timeout=60.0, remote_rm_retries=0)  # one request a query: joined after
+        rewards, _, logs = process_rewards.reward_fn(remote, tok, None, None)(batch)
+        plain = rollout.client_rewards(rollout.reward_client(url), batch, tok)
+    finally:
+        server.close()
+    assert batch.step_rewards[1].nonzero().tolist() == [[0, 8], [0, 17], [1, 8]]
+    assert batch.step_rewards[0].tolist() == pytest.approx(want.tolist(), abs=1e-5)
+    assert logs["steps"].tolist() == [2.0, 1.0]
+    assert rewards.tolist() == pytest.approx([min(want[0, 8], want[0, 17]).item(), want[1, 8].item()], abs=1e-5)
+    assert plain[0].tolist() == pytest.approx(rewards.tolist(), abs=1e-6)
 
 
 def test_bad_judges_and_sources_stop_in_one_line(toy_world, tmp_path, tokenizer):

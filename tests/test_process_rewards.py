@@ -187,7 +187,7 @@ def test_step_rewards_over_http_from_serve_rm(toy_world, tmp_path):
     finally:
         server.close()
     assert batch.step_rewards[1].nonzero().tolist() == [[0, 8], [0, 17], [1, 8]]
-    assert batch.step_rewards[0].tolist() == pytest.approx(want.tolist(), abs=1e-5)
+    assert batch.step_rewards[0].flatten().tolist() == pytest.approx(want.flatten().tolist(), abs=1e-5)
     assert logs["steps"].tolist() == [2.0, 1.0]
     assert rewards.tolist() == pytest.approx([min(want[0, 8], want[0, 17]).item(), want[1, 8].item()], abs=1e-5)
     assert plain[0].tolist() == pytest.approx(rewards.tolist(), abs=1e-6)

@@ -139,6 +139,9 @@ def tokenize_sample(record, where, tokenizer, placeholder_id, reward_tokens, rew
     return ids, labels, False
 
 
+REDUCE = {"min": min, "last": lambda s: s[-1], "mean": lambda s: sum(s) / len(s)}  # --prm_reduce: steps -> one reward
+
+
 def steps_of(text, separator):
     """The steps of a solution's text: its pieces between separators, blank pieces not counted, at least one (the
     whole text). -> (the indices of the step pieces, the pieces)."""

@@ -33,9 +33,6 @@ import prm
 import rollout
 from common import fail
 
-REDUCE = {"min": min, "last": lambda s: s[-1], "mean": lambda s: sum(s) / len(s)}
-
-
 def step_ends(response, tokenizer, separator):
     """The index of the token ending each step of one completion (response: its token ids, [R]), by the contract
     above. The text of the first k tokens is a prefix of the whole text, so the separators it holds only grow with k:
@@ -109,7 +106,7 @@ def reward_fn(args, tokenizer, cfg, client, offload=False):
                                                            parse=parse_with_steps)
     # (make_pairs.py has none of these flags: a PRM judges its samples by the min over newline-separated steps)
     process, warned = getattr(args, "process_rewards", False), []
-    separator, reduce = getattr(args, "step_separator", "\n"), REDUCE[getattr(args, "prm_reduce", "min")]
+    separator, reduce = getattr(args, "step_separator", "\n"), prm.REDUCE[getattr(args, "prm_reduce", "min")]
 
     def score(batch):
         responses = [r for _, r in batch.pairs()]

@@ -346,7 +346,7 @@ def create_app(args):
             batcher.in_flight -= 1
         if args.rm_type != "prm":
             return {"rewards": results, "scores": results, "extra_logs": {"dummy_scores": results}}
-        reduce = {"min": min, "last": lambda s: s[-1], "mean": lambda s: sum(s) / len(s)}[args.prm_reduce]
+        reduce = prm.REDUCE[args.prm_reduce]
         rewards = [reduce(steps) if steps else 0.0 for steps in results]
         return {"rewards": rewards, "scores": rewards, "step_rewards": results, "extra_logs": {"dummy_scores": rewards}}
 

@@ -4,10 +4,10 @@
 
 1. The start policy: sft.py on the steps data, stopped early (--start_samples records, 2 epochs; the demo's
    runs/sft_steps takes all 9,500 for 4 and writes 99% of held-out solutions exactly), so RL has room.
-2. Its own samples (2 per held-out problem, at the RL runs' --temperature) labelled by the rule, Math-Shepherd style: a step is good
-   while every line up to it is the right one ("+"), bad from the first wrong line on ("-"); a solution that stops
-   short has its last step bad. The demo's PRM (runs/prm: trained on misread carried totals only) judges them: step
-   accuracy at P(good) > 0.5.
+2. Its own samples (2 per held-out problem, at the RL runs' --temperature) labelled by the rule, Math-Shepherd
+   style: a step is good while every line up to it is the right one ("+"), bad from the first wrong line on ("-");
+   a solution that stops short has its last step bad. The demo's PRM (runs/prm: trained on misread carried totals
+   only) judges them: step accuracy at P(good) > 0.5.
 3. A PRM that can judge them, with Math-Shepherd's Monte-Carlo labels from the start policy's own completions of the
    training problems: each step's label is the share of --mc_rollouts continuations from it (temperature 1) that
    reach the right total (the last step: whether the solution's own total is right), prm.py's soft labels; trained
@@ -23,9 +23,9 @@
 Stages 1-3 are cached in bench/.cache/prm_rl (delete it to redo them).
 """
 import argparse
+import bisect
 import json
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -41,7 +41,8 @@ import toy  # noqa: E402
 
 WORK = ROOT / "bench" / ".cache" / "prm_rl"
 ARMS = ("grpo_rule", "grpo_prm_orm", "grpo_prm_prm", "ppo_prm_prm", "grpo_rule_prm")
-RULE = "toy.py"  # relative (the runs' cwd is ROOT): grpo.py drops the toy world's own default path beside a reward model
+# relative (the runs' cwd is ROOT): grpo.py drops the toy world's own default path beside a reward model
+RULE = "toy.py"
 PRM_TOY = ["--max_len", 64, "--max_epochs", 6, "--train_batch_size", 32, "--micro_train_batch_size", 32,
            "--learning_rate", 3e-4, "--lr_warmup_ratio", 0.1]
 
@@ -96,7 +97,7 @@ def sample(model, tok, prompts, n=1, temperature=1.0, max_new_tokens=48, batch=2
                              max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
                              eos_token_id=tok.eos_token_id)
         out += tok.batch_decode(gen[:, enc["input_ids"].size(1):], skip_special_tokens=True)
-    return [c.replace(toy.PLACEHOLDER, "") for c in out]  # as the RL scripts' PRM reads them (a step end to it)
+    return [c.replace(toy.PLACEHOLDER, "") for c in out]  # one the policy wrote would read as a step end
 
 
 def judge(prm_path, prompts, completions):
@@ -107,16 +108,18 @@ def judge(prm_path, prompts, completions):
 
 
 def accuracy(labels, scores):
-    pairs = [(y, s > 0.5) for ys, ss in zip(labels, scores) for y, s in zip(ys, ss)]
-    wrong = [(y, s) for y, s in pairs if not y]
+    """How the judge's P(good) of each step agrees with the rule's labels: at 0.5, and AUC, the chance that a good
+    step scores above a bad one (a tie counts half)."""
     good = [s for ys, ss in zip(labels, scores) for y, s in zip(ys, ss) if y]
     bad = [s for ys, ss in zip(labels, scores) for y, s in zip(ys, ss) if not y]
-    ranks = {s: r for r, s in enumerate(sorted(good + bad))}  # AUC: P(a good step scores above a bad one)
-    auc = (sum(ranks[s] for s in good) - len(good) * (len(good) - 1) / 2) / max(len(good) * len(bad), 1)
-    return {"step_acc": sum(y == s for y, s in pairs) / len(pairs), "auc": auc,
-            "good_steps_passed": sum(s for y, s in pairs if y) / max(len(good), 1),
-            "bad_steps_caught": sum(not s for _, s in wrong) / max(len(wrong), 1),
-            "steps": len(pairs), "bad_steps": len(wrong)}
+    bad_sorted, wins = sorted(bad), 0.0
+    for g in good:  # the bad steps below g, and half of those equal to it
+        below, up_to = bisect.bisect_left(bad_sorted, g), bisect.bisect_right(bad_sorted, g)
+        wins += below + (up_to - below) / 2
+    passed, caught = sum(s > 0.5 for s in good), sum(s <= 0.5 for s in bad)
+    return {"step_acc": (passed + caught) / len(good + bad), "auc": wins / max(len(good) * len(bad), 1),
+            "good_steps_passed": passed / max(len(good), 1), "bad_steps_caught": caught / max(len(bad), 1),
+            "steps": len(good + bad), "bad_steps": len(bad)}
 
 
 def mc_labels(model, tok, problems, rollouts):

@@ -2,7 +2,6 @@
 sentencepiece and character vocabularies, DeepSeekMath's process advantages against a float64 loop, the step
 contract's one-line errors, a local PRM's step scores, serve_rm.py's placeholders, and grpo.py / ppo.py training on
 step scores end to end (the advantages and per-token rewards they were given, recomputed from the completions)."""
-import json
 import math
 import re
 

@@ -1,0 +1,277 @@
+"""On-policy distillation: the student samples completions, a frozen teacher scores the student's own tokens, and
+the student moves toward the teacher where it actually goes (GKD: Agarwal et al. 2024, "On-Policy Distillation of
+Language Models: Learning from Self-Generated Mistakes"; and the per-token reverse-KL policy gradient).
+
+    python distill.py --teacher_pretrain runs/sft                 # toy world: the student is --pretrain (default
+                                                                  # the random toy model), prompts its SFT data
+    python distill.py --pretrain runs/sft_short --teacher_pretrain runs/sft --lmbda 1
+    deepspeed --num_gpus 8 distill.py --pretrain Qwen/Qwen2.5-0.5B-Instruct --teacher_pretrain Qwen/Qwen2.5-7B-Instruct \\
+        --dataset prompts.jsonl --input_key prompt --apply_chat_template --vllm --zero_stage 3 --bf16 --lmbda 1
+
+Each step takes --rollout_batch_size prompts. With probability --lmbda the student samples their completions
+(on-policy; HF generate, or vLLM with --vllm / --ray as in grpo.py); otherwise the completions are the dataset's
+(--output_key), or with --seq_kd the teacher's own samples. Then --max_epochs passes of updates in batches of
+--train_batch_size, with --loss_type:
+  gkd      generalized_jsd_loss over the full next-token distributions at every completion token: --beta 0 the
+           forward KL(teacher || student), 1 the reverse KL(student || teacher), in between JSD(beta)
+  sampled  sampled_kl_loss: a per-token reward -(log pi_student - log pi_teacher) of the sampled token, as a clipped
+           policy gradient with no critic: needs only the teacher's log-probs of the sampled tokens
+Teacher and student share a tokenizer (the same vocabulary and special tokens). The teacher is frozen, loaded like
+a reference model (ZeRO-3 partitioned; --teacher_offload keeps it on the CPU between uses).
+
+The implementation details, each where it happens: dropout off in both (common.disable_dropout), both
+distributions at --temperature (generalized_jsd_loss; TRL's GKD divides both logits too), the interior JSD written
+with the mixture's log-probs by logsumexp and its two ends special-cased (it tends to 0 at beta 0 and 1, not to the
+KLs), a completion's losses averaged over its tokens, the batch's over all tokens (token-mean, as TRL).
+"""
+
+import argparse
+import math
+import random
+import time
+
+import torch
+
+import common
+import rollout
+
+LOSS_TYPES = ("gkd", "sampled")
+
+
+# ------------------------------------------------------------------------------------------------ math
+def generalized_jsd_loss(student_logits, teacher_logits, beta=0.5, temperature=1.0, mask=None):
+    """GKD's generalized Jensen-Shannon divergence per token, mean over the tokens in `mask` (all by default).
+    logits [..., V], both divided by `temperature`; S, T the student's and teacher's distributions:
+        beta = 0       KL(T || S) = sum_v T (log T - log S)                               forward KL (SFT-like)
+        beta = 1       KL(S || T) = sum_v S (log S - log T)                               reverse KL (mode-seeking)
+        0 < beta < 1   beta KL(T || M) + (1 - beta) KL(S || M),  M = beta T + (1 - beta) S     JSD(beta)
+    The same convention as TRL's generalized_jsd_loss (beta 0 forward, 1 reverse; M weights the teacher by beta).
+    JSD(beta) itself tends to 0 at both ends, hence the two KLs there."""
+    up = lambda x: x.to(torch.promote_types(x.dtype, torch.float32))  # noqa: E731  (bf16 in fp32; fp64 stays)
+    s = torch.log_softmax(up(student_logits) / temperature, -1)
+    t = torch.log_softmax(up(teacher_logits) / temperature, -1)
+    if beta == 0:
+        per_token = (t.exp() * (t - s)).sum(-1)
+    elif beta == 1:
+        per_token = (s.exp() * (s - t)).sum(-1)
+    else:
+        m = torch.logsumexp(torch.stack([t + math.log(beta), s + math.log(1 - beta)]), 0)
+        per_token = beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
+    return per_token.mean() if mask is None else common.masked_mean(per_token, mask)
+
+
+def sampled_kl_loss(logprobs, old_logprobs, teacher_logprobs, action_mask, eps_clip=0.2):
+    """The sampled-token form: each sampled token's reward r_t = -(log pi_old(y_t) - log pi_teacher(y_t)) (minus the
+    per-token reverse KL estimate; no sum over later tokens, no critic), as a clipped policy gradient, mean over the
+    completion tokens [B, T]:
+        -min(ratio_t r_t, clip(ratio_t, 1 - eps, 1 + eps) r_t),   ratio_t = pi(y_t) / pi_old(y_t)
+    At one update per rollout (ratio 1) its gradient is that of the reverse KL's per-token sample estimate."""
+    reward = (teacher_logprobs - old_logprobs).detach()
+    ratio = torch.exp(logprobs - old_logprobs)
+    loss = -torch.min(ratio * reward, ratio.clamp(1 - eps_clip, 1 + eps_clip) * reward)
+    return common.masked_mean(torch.where(action_mask.bool(), loss, 0.0), action_mask)
+
+
+def response_logits(model, pairs, pad_id, packing):
+    """The next-token logits at every completion token's position, padded: [b, R, V] (0 on padding), and the mask."""
+    inputs, where = common.response_inputs(model, pairs, pad_id, packing)
+    keep, where = common.response_logits_to_keep(inputs, where)
+    logits = model(**inputs, logits_to_keep=keep).logits[where]  # [sum R, V]
+    lengths = [len(r) for _, r in pairs]
+    padded = torch.nn.utils.rnn.pad_sequence(logits.split(lengths), batch_first=True)
+    mask = torch.arange(padded.size(1), device=padded.device)[None] < torch.tensor(lengths, device=padded.device)[:, None]
+    return padded, mask
+
+
+# ------------------------------------------------------------------------------------------- rollout
+def dataset_rollout(records, tokenizer, max_len):
+    """The dataset's completions (--output_key, kept as each record's label) as a Rollout: the off-policy share."""
+    eos = tokenizer.eos_token_id
+    responses = [torch.tensor(tokenizer(str(r["label"]), add_special_tokens=False)["input_ids"][:max_len - 1] + [eos])
+                 for r in records]
+    return rollout.Rollout.of(records, responses, eos)
+
+
+def check_same_tokenizer(student, teacher, path):
+    """Teacher and student must read the same ids the same way: one line naming what differs."""
+    if student.get_vocab() != teacher.get_vocab():
+        common.fail(f"--teacher_pretrain {path}: its vocabulary differs from the student's ({len(teacher)} tokens "
+                    f"against {len(student)}): distillation compares the two distributions token by token")
+    for name in ("bos_token_id", "eos_token_id"):
+        if getattr(student, name) != getattr(teacher, name):
+            common.fail(f"--teacher_pretrain {path}: its {name} is {getattr(teacher, name)}, the student's "
+                        f"{getattr(student, name)}")
+
+
+# The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
+# (common.parse_args; "{toy}" is its directory): its SFT data, the answers as the off-policy completions.
+DEFAULTS = {
+    "save_path":                  ("runs/distill", "runs/distill"),
+    "dataset":                    (None,           "{toy}/sft_train.jsonl"),
+    "eval_dataset":               (None,           "{toy}/sft_test.jsonl"),
+    "output_key":                 (None,           "output"),
+    "eval_reward_func":           (None,           rollout.TOY_REWARD),
+    "max_samples":                (None,           6400),
+    "prompt_max_len":             (1024,           16),
+    "generate_max_len":           (1024,           8),
+    "rollout_batch_size":         (64,             64),
+    "micro_rollout_batch_size":   (8,              64),
+    "train_batch_size":           (64,             64),
+    "micro_train_batch_size":     (8,              64),
+    "learning_rate":              (1e-6,           1e-4),
+    "lr_warmup_ratio":            (0.03,           0.05),
+    "eval_steps":                 (-1,             25),
+}
+
+
+def parse_args():
+    parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    rollout.add_rollout_args(parser, policy_gradient=False)
+    a = parser.add_argument
+    a("--teacher_pretrain", "--teacher_model", dest="teacher_pretrain", help="the teacher (frozen)")
+    a("--teacher_offload", action="store_true", help="keep the teacher on the CPU between uses")
+    a("--output_key", help="the dataset's completions: the off-policy share (--lmbda < 1), and eval's answers")
+    a("--eval_reward_func", help="a reward_func .py file scoring eval completions (logged; toy: exact match)")
+    a("--loss_type", default="gkd", choices=LOSS_TYPES)
+    a("--beta", type=float, default=0.5, help="gkd: 0 forward KL, 1 reverse KL, between: JSD(beta)")
+    a("--lmbda", type=float, default=0.5, help="the share of batches the student samples (on-policy)")
+    a("--seq_kd", action="store_true", help="the other batches: the teacher's samples, not the dataset's")
+    a("--eps_clip", type=float, default=0.2, help="sampled: the ratio's clip")
+    args = common.parse_args(parser, DEFAULTS)
+    if not args.teacher_pretrain:
+        common.fail("distill.py needs a teacher: --teacher_pretrain DIR (e.g. runs/sft)")
+    if not 0 <= args.lmbda <= 1:
+        common.fail(f"--lmbda {args.lmbda} must be in [0, 1] (the share of on-policy batches)")
+    if not 0 <= args.beta <= 1:
+        common.fail(f"--beta {args.beta} must be in [0, 1] (0 forward KL, 1 reverse KL)")
+    if args.lmbda < 1 and not args.seq_kd and not args.output_key:
+        common.fail(f"--lmbda {args.lmbda} takes some batches' completions from the dataset: name them with "
+                    "--output_key (or --lmbda 1, or --seq_kd for the teacher's samples)")
+    if args.loss_type == "sampled" and args.lmbda < 1:
+        common.fail("--loss_type sampled is a policy gradient on the student's own samples: it needs --lmbda 1")
+    if args.temperature <= 0:
+        common.fail("--temperature must be > 0 (it divides both distributions and samples the student)")
+    args.label_key = args.output_key  # the prompts carry the dataset's completion as their label
+    rollout.check_engine_options(args)
+    return args
+
+
+def main():
+    args = parse_args()
+    eval_fn = args.eval_reward_func and rollout.reward_client(args.eval_reward_func)
+    common.init_distributed(args)
+    start = time.time()
+    tokenizer = common.load_tokenizer(args.pretrain, args)
+    check_same_tokenizer(tokenizer, common.load_tokenizer(args.teacher_pretrain, args), args.teacher_pretrain)
+    pad_id = tokenizer.pad_token_id
+    # (with --output_key a record without it stops the run naming the file and line)
+    prompts, eval_prompts, total_steps = rollout.load_prompt_sets(args, tokenizer, 1)
+    updates = args.rollout_batch_size // args.train_batch_size * args.max_epochs
+    cfg = common.ds_config(args)
+    model = common.load_model(args.pretrain, args, tokenizer, cfg)
+    common.disable_dropout(model)
+    student = common.setup_deepspeed(model, args, cfg, total_steps * updates)
+    teacher = common.load_frozen(args.teacher_pretrain, args, tokenizer, cfg, args.teacher_offload)
+    offloaded = args.teacher_offload and args.zero_stage != 3
+    start_step, state = common.load_checkpoint(student, args)
+    # HF generate on the student; --vllm / --ray: vLLM engines fed its weights (and again after every update)
+    engine = rollout.start_engine(args, student.module, tokenizer, start_step)
+    stream = rollout.prompt_batches(prompts, args.rollout_batch_size, args.seed, state.get("prompt_cursor", 0))
+    coin = random.Random(args.seed + start_step)  # which steps are on-policy
+
+    def eval_metrics(batch):  # --eval_reward_func's reward and logs (toy: exact match, as accuracy)
+        if not eval_fn:
+            return {"response_len": batch.lengths.float()}
+        rewards, _, logs = rollout.client_rewards(eval_fn, batch, tokenizer)
+        return {"reward": rewards, **logs}
+
+    def evaluate():  # greedy completions of the eval prompts
+        student.module.eval()
+        return rollout.evaluate(eval_prompts, engine, eval_metrics)
+
+    timed = ("generate_s", "teacher_s", "train_s", "step_s")  # summed for eval_results.json
+    logger, results = common.Logger(args, total_steps, start_step, timed), {}
+    if eval_prompts:
+        common.log_eval(logger, start_step, evaluate(), results, "_before")
+    for step in range(start_step, total_steps):
+        step_start = time.time()
+        # 1. rollout: with probability --lmbda the student's samples, else the dataset's completions (--seq_kd: the
+        #    teacher's samples)
+        student.module.eval()
+        records, cursor = next(stream)
+        on_policy = coin.random() < args.lmbda
+        t = time.time()
+        if on_policy:
+            batch = engine.sample(records, args.temperature)
+        elif args.seq_kd:
+            with common.on_accelerator(teacher, offloaded) as model:
+                responses = rollout.generate_hf(model, tokenizer, [r["ids"] for r in records], args.temperature,
+                                                args.top_p, args.generate_max_len, args.micro_rollout_batch_size)
+            batch = rollout.Rollout.of(records, responses, tokenizer.eos_token_id)
+        else:
+            batch = dataset_rollout(records, tokenizer, args.generate_max_len)
+        metrics = {"generate_s": time.time() - t, "on_policy": float(on_policy)}
+
+        # 2. the teacher: its log-probs of the sampled tokens (sampled), and the student's old ones; gkd reads the
+        #    teacher's full distributions per micro-batch in 3
+        t = time.time()
+        action_mask = batch.action_mask  # [N, R]
+        if args.loss_type == "sampled":
+            with common.on_accelerator(teacher, offloaded) as model:
+                teacher_logprobs = rollout.rollout_logprobs(model, batch, pad_id, args.packing_samples,
+                                                            args.temperature, args.micro_rollout_batch_size)
+            old_logprobs = rollout.rollout_logprobs(student.module, batch, pad_id, args.packing_samples,
+                                                    args.temperature, args.micro_rollout_batch_size)
+        metrics["teacher_s"] = time.time() - t
+
+        # 3. update: --max_epochs passes over shuffled micro-batches; DeepSpeed steps every train_batch_size samples
+        t = time.time()
+        student.module.train()
+        stats = {"loss": [], "teacher_logprob": [], "student_logprob": []}
+        for _ in range(args.max_epochs):
+            for mb in torch.randperm(len(batch.records)).split(args.micro_train_batch_size):
+                pairs = batch.pairs(mb)
+                if args.loss_type == "gkd":
+                    logits, mask = response_logits(student, pairs, pad_id, args.packing_samples)  # [b, T, V]
+                    with torch.no_grad(), common.on_accelerator(teacher, offloaded) as model:
+                        teacher_logits, _ = response_logits(model, pairs, pad_id, args.packing_samples)
+                    loss = generalized_jsd_loss(logits, teacher_logits.to(logits.device), args.beta, args.temperature,
+                                                mask)
+                    tokens = torch.cat([r for _, r in pairs]).to(logits.device)
+                    lp_s = torch.log_softmax(logits[mask].float() / args.temperature, -1).gather(-1, tokens[:, None])
+                    lp_t = torch.log_softmax(teacher_logits.to(logits.device)[mask].float() / args.temperature,
+                                             -1).gather(-1, tokens[:, None])
+                else:
+                    logprobs, _, _ = common.response_logprobs(student, pairs, pad_id, args.packing_samples,
+                                                              args.temperature)  # [b, T]
+                    T, device = logprobs.size(1), logprobs.device
+                    mask = action_mask[mb, :T].to(device)
+                    lp_t, old = teacher_logprobs[mb, :T].to(device), old_logprobs[mb, :T].to(device)
+                    loss = sampled_kl_loss(logprobs, old, lp_t, mask, args.eps_clip)
+                    lp_s, lp_t = logprobs.detach()[mask.bool()], lp_t[mask.bool()]
+                student.backward(loss)
+                student.step()
+                stats["loss"].append(loss.item())
+                stats["student_logprob"].append(lp_s.detach().mean().item())
+                stats["teacher_logprob"].append(lp_t.mean().item())
+        metrics["train_s"] = time.time() - t
+
+        # 4. weight sync: the rollout engines sample with the updated student from the next step on
+        engine.sync(student.module, version=step + 1)
+
+        # 5. log (means over all ranks), save, eval
+        metrics["step_s"] = time.time() - step_start
+        out = common.all_reduce_means({"response_len": batch.lengths.tolist(), **stats, **metrics})
+        out["lr"] = student.get_lr()[0]
+        logger.log(step + 1, out)
+        if common.due(args.save_steps, step + 1):
+            common.save_checkpoint(student, args, step + 1, extra={"prompt_cursor": cursor})
+        if eval_prompts and common.due(args.eval_steps, step + 1, total_steps):
+            common.log_eval(logger, step + 1, evaluate())
+
+    results.update(logger.run_times(start))
+    common.finish(student, tokenizer, args, results, logger, evaluate=evaluate if eval_prompts else None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,7 @@
 """distill.py: GKD's generalized JSD and the sampled-token reverse-KL policy gradient against float64 loops over small
 vocabularies, TRL's beta convention, and the script's one-line errors."""
 import math
+import re
 
 import pytest
 import torch
@@ -77,3 +78,29 @@ def test_sampled_kl_loss_and_its_gradient():
     distill.sampled_kl_loss(lp, old, teacher, mask).backward()
     want = torch.where(mask.bool(), -(teacher - old) / n, 0.0)
     assert torch.allclose(lp.grad, want, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------- the script
+def test_toy_run_with_a_teacher_only(policy, tmp_path):
+    """With only --teacher_pretrain, the toy world: the random toy student, prompts and answers from its SFT data,
+    --max_samples 64 is one logged step (on-policy or not, by --lmbda's coin)."""
+    from conftest import results, run_main
+
+    proc = run_main("distill.py", "--teacher_pretrain", policy, "--max_samples", 64, "--save_path", tmp_path / "d")
+    assert "train step 1" in proc.stdout + proc.stderr
+    assert "eval_accuracy" in results(tmp_path / "d")
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "needs a teacher"),
+    (["--teacher_pretrain", "TEACHER", "--lmbda", 1.5], "must be in \\[0, 1\\]"),
+    (["--teacher_pretrain", "TEACHER", "--dataset", "PROMPTS", "--input_key", "input", "--lmbda", 0.5],
+     "name them with --output_key"),
+    (["--teacher_pretrain", "TEACHER", "--loss_type", "sampled", "--lmbda", 0.5], "needs --lmbda 1"),
+])
+def test_one_line_errors(policy, toy_world, tmp_path, flags, message):
+    from conftest import run_main
+
+    flags = [policy if f == "TEACHER" else toy_world / "prompts_train.jsonl" if f == "PROMPTS" else f for f in flags]
+    proc = run_main("distill.py", *flags, "--save_path", tmp_path / "d", check=False)
+    assert proc.returncode != 0 and re.search(message, proc.stderr.strip().splitlines()[-1])

@@ -111,16 +111,16 @@ DEFAULTS = {
     "eval_dataset":               (None,           "{toy}/sft_test.jsonl"),
     "output_key":                 (None,           "output"),
     "eval_reward_func":           (None,           rollout.TOY_REWARD),
-    "max_samples":                (None,           6400),
+    "num_episodes":               (1,              6),
     "prompt_max_len":             (1024,           16),
     "generate_max_len":           (1024,           8),
     "rollout_batch_size":         (64,             64),
     "micro_rollout_batch_size":   (8,              64),
     "train_batch_size":           (64,             64),
     "micro_train_batch_size":     (8,              64),
-    "learning_rate":              (1e-6,           1e-4),
+    "learning_rate":              (1e-6,           1e-3),
     "lr_warmup_ratio":            (0.03,           0.05),
-    "eval_steps":                 (-1,             25),
+    "eval_steps":                 (-1,             150),
 }
 
 
@@ -151,7 +151,10 @@ def parse_args():
         common.fail("--loss_type sampled is a policy gradient on the student's own samples: it needs --lmbda 1")
     if args.temperature <= 0:
         common.fail("--temperature must be > 0 (it divides both distributions and samples the student)")
-    args.label_key = args.output_key  # the prompts carry the dataset's completion as their label
+    if args.output_key and args.label_key not in (None, args.output_key):
+        common.fail(f"--label_key {args.label_key} and --output_key {args.output_key}: distill.py reads one field, "
+                    "the dataset's completion, which is also eval's answer")
+    args.label_key = args.output_key or args.label_key  # the prompts carry the dataset's completion as their label
     rollout.check_engine_options(args)
     return args
 
@@ -205,9 +208,7 @@ def main():
             batch = engine.sample(records, args.temperature)
         elif args.seq_kd:
             with common.on_accelerator(teacher, offloaded) as model:
-                responses = rollout.generate_hf(model, tokenizer, [r["ids"] for r in records], args.temperature,
-                                                args.top_p, args.generate_max_len, args.micro_rollout_batch_size)
-            batch = rollout.Rollout.of(records, responses, tokenizer.eos_token_id)
+                batch = rollout.HFEngine(args, model, tokenizer).sample(records, args.temperature)
         else:
             batch = dataset_rollout(records, tokenizer, args.generate_max_len)
         metrics = {"generate_s": time.time() - t, "on_policy": float(on_policy)}

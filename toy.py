@@ -12,6 +12,7 @@ binary labels alone is out of its reach in minutes, which is why PRMs start from
 
 Layout of toy_world/:
     model/                      tokenizer + LlamaForCausalLM, random init (save_pretrained)
+    model_half/                 the same with half the layers (2): a smaller student for distill.py
     sft_{train,test}.jsonl      {"input": "07+45=", "output": "52"}
     pref_{train,test}.jsonl     {"input": "07+45=", "chosen": "52", "rejected": "53"}
     steps_{train,test}.jsonl    {"input": "07+45+08\n", "output": "07+45=52\n52+08=60"}  (running sums, step by step)
@@ -34,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 TOY_DIR = Path(os.environ.get("TOY_WORLD_DIR", Path(__file__).resolve().parent / "toy_world"))
-VERSION = "5"  # bump when the generator changes, so stale worlds get rebuilt
+VERSION = "6"  # bump when the generator changes, so stale worlds get rebuilt
 PLACEHOLDER = "ки"  # step marker for PRM data (Math-Shepherd's), one token in the toy tokenizer
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # the tokenizer's special tokens, in vocabulary order
 N_TEST = 500  # held-out prompts; the other 9,500 of the 10,000 "ab+cd=" prompts are for training
@@ -71,13 +72,13 @@ def build_tokenizer():
     return hf
 
 
-def build_model(tokenizer, seed=0):
+def build_model(tokenizer, seed=0, layers=4):
     """~0.85M-parameter Llama: hidden 128, 4 layers, 4 heads, tied embeddings (calibrated in STACK.md)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -201,6 +202,8 @@ def ensure_toy_world(path=TOY_DIR):
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(tmp / "model")
     build_model(tokenizer).save_pretrained(tmp / "model")
+    tokenizer.save_pretrained(tmp / "model_half")
+    build_model(tokenizer, layers=2).save_pretrained(tmp / "model_half")
     for name, records in build_datasets(random.Random(0)).items():
         with open(tmp / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)

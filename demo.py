@@ -18,6 +18,8 @@ Stages run as plain commands (shown as they start), each from the previous stage
                                                             the RM that PPO and online DPO learn from
     python grpo.py --pretrain runs/sft_short [--vllm] -> runs/grpo, runs/grpo_vllm
                                                             held-out accuracy before -> after, s/step
+    python distill.py --pretrain runs/sft_short --teacher_pretrain runs/sft --lmbda 1 -> runs/distill
+                                                            on-policy distillation: held-out accuracy before -> after
     python dpo.py --pretrain runs/sft_short --dataset runs/pairs_train.jsonl ... -> runs/dpo
     python online_dpo.py --pretrain runs/sft_short --reward_pretrain runs/rm_policy -> runs/dpo_online
                                                             held-out exact match, or greedy accuracy, before -> after
@@ -98,6 +100,9 @@ def stages(world):
          "eval_accuracy", "held-out greedy accuracy"),
         ("GRPO vLLM", ["grpo.py", "--pretrain", "runs/sft_short", "--vllm", "--save_path", "runs/grpo_vllm"],
          "runs/grpo_vllm", "eval_accuracy", "held-out greedy accuracy"),
+        # on-policy distillation: SFT short samples, the full SFT (the teacher) scores its tokens
+        ("Distill", ["distill.py", "--pretrain", "runs/sft_short", "--teacher_pretrain", "runs/sft", "--lmbda", "1",
+                     "--save_path", "runs/distill"], "runs/distill", "eval_accuracy", "held-out greedy accuracy"),
         ("DPO", dpo, "runs/dpo", "eval_exact_match", "held-out exact match"),
         ("DPO online", ["online_dpo.py", "--pretrain", "runs/sft_short", "--reward_pretrain", "runs/rm_policy",
                         "--save_path", "runs/dpo_online"], "runs/dpo_online", "eval_accuracy", "held-out greedy accuracy"),

@@ -19,10 +19,13 @@ Each step takes --rollout_batch_size prompts. With probability --lmbda the stude
 Teacher and student share a tokenizer (the same vocabulary and special tokens). The teacher is frozen, loaded like
 a reference model (ZeRO-3 partitioned; --teacher_offload keeps it on the CPU between uses).
 
-The implementation details, each where it happens: dropout off in both (common.disable_dropout), both
-distributions at --temperature (generalized_jsd_loss; TRL's GKD divides both logits too), the interior JSD written
-with the mixture's log-probs by logsumexp and its two ends special-cased (it tends to 0 at beta 0 and 1, not to the
-KLs), a completion's losses averaged over its tokens, the batch's over all tokens (token-mean, as TRL).
+The implementation details, each where it happens: dropout off in both (common.disable_dropout; load_frozen),
+both distributions at --temperature (generalized_jsd_loss; TRL's GKD divides both logits too), the interior JSD
+written with the mixture's log-probs by logsumexp and its two ends special-cased (it tends to 0 at beta 0 and 1, not
+to the KLs), the loss a mean over every completion token of the micro-batch (token-mean, as TRL's), the dataset's
+completions tokenized as sft.py trains them (dataset_rollout), the on-policy coin seeded alike on every rank (all
+ranks take the same branch, as ZeRO-3's generation needs), the gkd teacher read per micro-batch (its [b, T, V]
+logits, never the whole batch's at once).
 """
 
 import argparse
@@ -34,6 +37,7 @@ import torch
 
 import common
 import rollout
+import sft
 
 LOSS_TYPES = ("gkd", "sampled")
 
@@ -84,12 +88,17 @@ def response_logits(model, pairs, pad_id, packing):
 
 
 # ------------------------------------------------------------------------------------------- rollout
-def dataset_rollout(records, tokenizer, max_len):
-    """The dataset's completions (--output_key, kept as each record's label) as a Rollout: the off-policy share."""
-    eos = tokenizer.eos_token_id
-    responses = [torch.tensor(tokenizer(str(r["label"]), add_special_tokens=False)["input_ids"][:max_len - 1] + [eos])
-                 for r in records]
-    return rollout.Rollout.of(records, responses, eos)
+def dataset_rollout(records, tokenizer, args):
+    """The dataset's completions (--output_key, kept as each record's label) as a Rollout: the off-policy share,
+    tokenized as sft.py trains them (the tokens the whole text has there, through the stop token), at most
+    --generate_max_len of them."""
+    as_sft = argparse.Namespace(**{**vars(args), "pretrain_mode": False, "multiturn": False, "input_key": "input",
+                                   "output_key": "label", "max_len": 1 << 30})
+    responses = []
+    for r in records:
+        ids, labels = sft.tokenize_sample(r, tokenizer, as_sft)
+        responses.append(ids[labels != -100][:args.generate_max_len])
+    return rollout.Rollout.of(records, responses, tokenizer.eos_token_id)
 
 
 def check_same_tokenizer(student, teacher, path):
@@ -210,7 +219,7 @@ def main():
             with common.on_accelerator(teacher, offloaded) as model:
                 batch = rollout.HFEngine(args, model, tokenizer).sample(records, args.temperature)
         else:
-            batch = dataset_rollout(records, tokenizer, args.generate_max_len)
+            batch = dataset_rollout(records, tokenizer, args)
         metrics = {"generate_s": time.time() - t, "on_policy": float(on_policy)}
 
         # 2. the teacher: its log-probs of the sampled tokens (sampled), and the student's old ones; gkd reads the
@@ -226,7 +235,7 @@ def main():
         metrics["teacher_s"] = time.time() - t
 
         # 3. update: --max_epochs passes over shuffled micro-batches; DeepSpeed steps every train_batch_size samples
-        t = time.time()
+        t, teacher_s = time.time(), 0.0
         student.module.train()
         stats = {"loss": [], "teacher_logprob": [], "student_logprob": []}
         for _ in range(args.max_epochs):
@@ -234,8 +243,10 @@ def main():
                 pairs = batch.pairs(mb)
                 if args.loss_type == "gkd":
                     logits, mask = response_logits(student, pairs, pad_id, args.packing_samples)  # [b, T, V]
+                    t_teacher = time.time()
                     with torch.no_grad(), common.on_accelerator(teacher, offloaded) as model:
                         teacher_logits, _ = response_logits(model, pairs, pad_id, args.packing_samples)
+                    teacher_s += time.time() - t_teacher
                     loss = generalized_jsd_loss(logits, teacher_logits.to(logits.device), args.beta, args.temperature,
                                                 mask)
                     tokens = torch.cat([r for _, r in pairs]).to(logits.device)
@@ -255,7 +266,8 @@ def main():
                 stats["loss"].append(loss.item())
                 stats["student_logprob"].append(lp_s.detach().mean().item())
                 stats["teacher_logprob"].append(lp_t.mean().item())
-        metrics["train_s"] = time.time() - t
+        metrics["train_s"] = time.time() - t - teacher_s
+        metrics["teacher_s"] += teacher_s
 
         # 4. weight sync: the rollout engines sample with the updated student from the next step on
         engine.sync(student.module, version=step + 1)

@@ -84,7 +84,7 @@ def main():
     p.add_argument("--beta", type=float, default=0.5)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--episodes", type=int, default=6, help="distill arms: passes over the 9,500 training prompts")
-    p.add_argument("--grpo_steps", type=int, default=100, help="steps of 32 prompts x 8 samples")
+    p.add_argument("--grpo_steps", type=int, default=200, help="steps of 32 prompts x 8 samples (the demo's)")
     p.add_argument("--eval_steps", type=int, default=50)
     args = p.parse_args()
     paths = students()

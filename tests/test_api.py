@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import common
+import distill
 import dpo
 import grpo
 import ppo
@@ -20,7 +21,7 @@ import rollout
 import sft
 from conftest import ROOT
 
-MODULES = {m.__name__: m for m in (common, dpo, grpo, ppo, prm, rm, rollout, sft)}
+MODULES = {m.__name__: m for m in (common, distill, dpo, grpo, ppo, prm, rm, rollout, sft)}
 
 
 def documented():
@@ -219,6 +220,23 @@ def call_rollout_correction_weights():
     assert changed.tolist() == [[True, False, False], [False, False, False]]
 
 
+def call_generalized_jsd_loss():
+    # one token, two symbols: student (1/2, 1/2), teacher (3/4, 1/4) (logits log 3, 0)
+    s, t = torch.zeros(1, 2, **F64), torch.tensor([[math.log(3), 0.0]], **F64)
+    kl = lambda p, q: sum(a * math.log(a / b) for a, b in zip(p, q))  # noqa: E731
+    m = [0.5 * 0.75 + 0.5 * 0.5, 0.5 * 0.25 + 0.5 * 0.5]
+    assert distill.generalized_jsd_loss(s, t).item() == pytest.approx(
+        0.5 * kl([0.75, 0.25], m) + 0.5 * kl([0.5, 0.5], m))
+    assert distill.generalized_jsd_loss(s, t, 0.0).item() == pytest.approx(kl([0.75, 0.25], [0.5, 0.5]))
+
+
+def call_sampled_kl_loss():
+    # ratio 1 (old = current): the loss is minus the mean reward, the reward log pi_teacher - log pi_old
+    logprobs = torch.tensor([[-1.0, -2.0]], **F64)
+    loss = distill.sampled_kl_loss(logprobs, logprobs, torch.tensor([[-1.5, -1.0]], **F64), torch.tensor([[1, 1]]))
+    assert loss.item() == pytest.approx(-(-0.5 + 1.0) / 2)
+
+
 CALLS = {"sft.sft_loss": call_sft_loss, "rm.pairwise_loss": call_pairwise_loss, "prm.prm_loss": call_prm_loss,
          "prm.score_steps": call_score_steps, "prm.step_probabilities": call_step_probabilities,
          "grpo.process_advantages": call_process_advantages, "grpo.group_advantages": call_group_advantages,
@@ -229,7 +247,8 @@ CALLS = {"sft.sft_loss": call_sft_loss, "rm.pairwise_loss": call_pairwise_loss, 
          "ppo.adaptive_kl_coef": call_adaptive_kl_coef, "dpo.dpo_loss": call_dpo_loss,
          "common.masked_mean": call_masked_mean, "common.masked_whiten": call_masked_whiten,
          "common.approx_kl": call_approx_kl, "common.response_logprobs": call_response_logprobs,
-         "rollout.rollout_correction_weights": call_rollout_correction_weights}
+         "rollout.rollout_correction_weights": call_rollout_correction_weights,
+         "distill.generalized_jsd_loss": call_generalized_jsd_loss, "distill.sampled_kl_loss": call_sampled_kl_loss}
 
 
 @pytest.mark.parametrize("name", CALLS)

@@ -138,6 +138,33 @@ def test_dpo_pairs_split_where_generation_starts(family_dirs, family):
 
 
 @pytest.mark.parametrize("family", families.FAMILIES)
+def test_distill_dataset_completions_are_what_sft_trains(family_dirs, family):
+    """distill.py's off-policy share (--lmbda < 1): the dataset's answer as the tokens that follow the prompt as
+    generation sees it, through one stop token. Without a template: PLAIN_SAMPLE's tokens after "=" (sentencepiece's
+    "▁4" included); with one: the reply and the turn's end, not the newline some templates write after it."""
+    import distill
+
+    for chat in ([False, True] if family in CHAT else [False]):
+        tok, args = load_tokenizer(family_dirs[family] / "model", family, chat)
+        args.generate_max_len = 16
+        text = common.format_prompt("12+34=", tok, args)
+        ids = torch.tensor(tok(text, add_special_tokens=not chat)["input_ids"])
+        batch = distill.dataset_rollout([{"ids": ids, "text": text, "label": "46", "input": "12+34="}], tok, args)
+        (prompt, response), = batch.pairs()
+        if chat:  # the tokens the whole rendered conversation has there (sentencepiece: "4", not "▁4")
+            assert tok.decode(response) == "46" + TURN_END[family]
+            conv = [{"role": "user", "content": "12+34="}, {"role": "assistant", "content": "46"}]
+            whole = tok(tok.apply_chat_template(conv, tokenize=False), add_special_tokens=False)["input_ids"]
+            assert whole[:len(prompt)] == prompt.tolist()
+            assert response.tolist() == whole[len(prompt):whole.index(tok.eos_token_id, len(prompt)) + 1]
+        else:
+            want = PLAIN_SAMPLE[family]
+            assert tok.convert_ids_to_tokens(response.tolist()) == want[want.index("=") + 1:]
+            assert tok.convert_ids_to_tokens(prompt.tolist()) == want[:want.index("=") + 1]
+        assert batch.stopped.tolist() == [True]
+
+
+@pytest.mark.parametrize("family", families.FAMILIES)
 @torch.no_grad()
 def test_rewards_read_where_rm_trains_them(family_dirs, family):
     """rm.py's ids end in one EOS after one BOS; the RL scripts' --reward_pretrain and serve_rm (every form of

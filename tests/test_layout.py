@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT
 
 OPTIONAL = ("engines", "agents", "packing", "lora", "process_rewards")
-SCRIPTS = ("sft.py", "rm.py", "prm.py", "dpo.py", "grpo.py", "ppo.py", "online_dpo.py", "make_pairs.py",
+SCRIPTS = ("sft.py", "rm.py", "prm.py", "dpo.py", "grpo.py", "ppo.py", "online_dpo.py", "distill.py", "make_pairs.py",
            "serve_rm.py", "merge_lora.py")
 # run a script in a fresh interpreter (or, with no flags, import the scripts named), then say which optional
 # modules are loaded
@@ -43,12 +43,15 @@ def test_importing_the_scripts_loads_no_optional_module():
     ("grpo.py", []),
     ("ppo.py", ["--remote_rm_url", ROOT / "toy.py"]),
     ("online_dpo.py", ["--remote_rm_url", ROOT / "toy.py", "--num_episodes", 1]),
+    ("distill.py", ["--teacher_pretrain", "TOY_MODEL", "--lmbda", 1, "--num_episodes", 1]),
 ])
 def test_a_default_rl_run_loads_no_optional_module(toy_world, tmp_path, script, flags):
     """The toy world's defaults, cut short: the rollout, the rewards, the update, the eval and the save all ran."""
     eval_file = tmp_path / "eval.jsonl"
-    eval_file.write_text("".join((toy_world / "prompts_test.jsonl").read_text().splitlines(keepends=True)[:16]))
+    held_out = toy_world / ("sft_test.jsonl" if script == "distill.py" else "prompts_test.jsonl")  # the toy data's
+    eval_file.write_text("".join(held_out.read_text().splitlines(keepends=True)[:16]))
     short = ["--max_samples", 64, "--eval_dataset", eval_file, "--save_path", tmp_path / "run"]
+    flags = [toy_world / "model" if f == "TOY_MODEL" else f for f in flags]
     assert loaded(script, *flags, *short, cwd=tmp_path) == "loaded:"
     assert (tmp_path / "run" / "eval_results.json").exists()
 

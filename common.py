@@ -256,9 +256,44 @@ def ds_config(args):
         "gradient_clipping": args.max_norm,
         "zero_optimization": zero,
         "bf16": {"enabled": args.bf16},
+        # each node's first process writes the files DeepSpeed otherwise writes on rank 0 alone (the model states
+        # of ZeRO 0-2, the client state), when --ckpt_path is a directory of each node's own
+        "checkpoint": {"use_node_local_storage": checkpoints_node_local(args)},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+_NODE_LOCAL = {}
+
+
+def checkpoints_node_local(args):
+    """Whether --ckpt_path is storage of each node's own (a local disk) rather than one every rank shares, for a run
+    that saves or loads checkpoints: every rank leaves a mark there, and a rank that misses one sees another disk.
+    Collective (every rank calls it, as ds_config); the answer is kept for the run."""
+    world = dist.get_world_size()
+    if world == 1 or not (args.save_steps > 0 or args.load_checkpoint):
+        return False
+    if args.ckpt_path not in _NODE_LOCAL:
+        run = [os.urandom(8).hex()]
+        dist.broadcast_object_list(run, src=0)  # this run's marks, not a crashed run's
+        marks = Path(args.ckpt_path) / f".ranks-{run[0]}"
+        marks.mkdir(parents=True, exist_ok=True)
+        (marks / str(dist.get_rank())).touch()
+        dist.barrier()
+        missing = torch.tensor([sum(not (marks / str(r)).exists() for r in range(world))])
+        dist.all_reduce(missing)
+        dist.barrier()
+        shutil.rmtree(marks, ignore_errors=True)
+        _NODE_LOCAL[args.ckpt_path] = missing.item() > 0
+    return _NODE_LOCAL[args.ckpt_path]
+
+
+def node_writer(args):
+    """The process that writes a checkpoint's shared files: rank 0, or each node's first with node-local storage."""
+    if checkpoints_node_local(args):
+        return int(os.environ.get("LOCAL_RANK", 0)) == 0
+    return is_rank0()
 
 
 def setup_deepspeed(model, args, config, num_training_steps, learning_rate=None):
@@ -856,8 +891,12 @@ def save_checkpoint(engine, args, step, extra=None, others=None):
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     torch.save(rng, tag_dir / f"rng_rank{dist.get_rank()}.pt")
     engine.save_checkpoint(args.ckpt_path, tag=tag, client_state={"step": step, **(extra or {})})
-    if is_rank0():
+    dist.barrier()  # every rank's files are written
+    if node_writer(args):
         for d in [Path(args.ckpt_path)] + [Path(args.ckpt_path) / name for name in others or {}]:
+            if not is_rank0():  # DeepSpeed writes 'latest' on rank 0 only: the other nodes' copies
+                (d / ".latest.tmp").write_text(tag)
+                (d / ".latest.tmp").rename(d / "latest")
             old = sorted(d.glob("global_step*"), key=lambda p: int(p.name[len("global_step"):]))
             for p in old[:-args.max_ckpt_num]:
                 shutil.rmtree(p, ignore_errors=True)
@@ -867,8 +906,17 @@ def save_checkpoint(engine, args, step, extra=None, others=None):
 def load_checkpoint(engine, args, others=None):
     """With --load_checkpoint, resume from the latest checkpoint in --ckpt_path where there is one -> (the step to
     continue from, save_checkpoint's `extra` keys); else (0, {})."""
-    if not args.load_checkpoint or not (Path(args.ckpt_path) / "latest").exists():
+    if not args.load_checkpoint:
         return 0, {}
+    latest = Path(args.ckpt_path) / "latest"
+    tags = [None] * dist.get_world_size()  # what each rank would resume from: all the same step, or none
+    dist.all_gather_object(tags, latest.read_text().strip() if latest.exists() else None)
+    if all(t is None for t in tags):
+        return 0, {}
+    if len(set(tags)) > 1:
+        seen = ", ".join(f"rank {r}: {t or 'none'}" for r, t in enumerate(tags))
+        fail(f"--load_checkpoint: the ranks see different checkpoints in {args.ckpt_path} ({seen}); every node needs "
+             "the same step")
     return resume(engine, args.ckpt_path, others)
 
 

@@ -4,12 +4,14 @@ returning the same rollout.Rollout as HF generate; the async producer (--async_s
 flags. rollout.py imports it in the functions that handle these flags (start_engine, batches, check_engine_options),
 make_pairs.py where --vllm is given; importing it only defines things."""
 
+import argparse
 import contextlib
 import os
 import queue
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -185,8 +187,11 @@ class RayEngine(VLLMHost):
     def __init__(self, *host_args):  # VLLMHost's (args, vocab_size, tied_embeddings, seed); no engine yet
         self.host_args, self.version = host_args, 0  # version: the trainer step whose weights it holds
 
-    def gpu(self):
-        return gpu_uuid()
+    def place(self):
+        """Where the actor runs: its GPU (None on a CPU) and its Ray node."""
+        import ray
+
+        return gpu_uuid(), ray.get_runtime_context().get_node_id()
 
     def start(self):
         args, vocab_size, tied, seed = self.host_args
@@ -297,11 +302,8 @@ class RayEngines:
             # the others join the same cluster; a local one started here has token auth on (its token is in
             # ~/.ray), which ranks launched before it was started must be told
             cluster.update(address=ray.get_runtime_context().gcs_address, auth=os.environ.get("RAY_AUTH_MODE"))
-            actor = ray.remote(num_cpus=1, num_gpus=1 if torch.cuda.is_available() else 0)(RayEngine)
-            self.engines = [actor.options(name=name).remote(args, model.config.vocab_size,
-                                                            model.config.tie_word_embeddings, args.seed + i)
-                            for i, name in enumerate(names)]
-            cluster["error"] = self.start_engines(set(trainer_gpus) - {None})
+            cluster["error"] = self.create_engines(args, model, names) or \
+                self.start_engines(set(trainer_gpus) - {None})
         shared = [cluster]
         dist.broadcast_object_list(shared, src=0)
         cluster = shared[0]
@@ -323,15 +325,41 @@ class RayEngines:
         self.group = weight_group(host, port, 0, world)
         ray.get(joined)
 
+    def create_engines(self, args, model, names):
+        """Rank 0: the engine actors, one bundle of 1 CPU (and 1 GPU) each in a placement group that spreads them over
+        the cluster's nodes where it can. -> None, or one line saying the cluster lacks the resources."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        gpu = 1 if torch.cuda.is_available() else 0
+        group = placement_group([{"CPU": 1, "GPU": gpu} if gpu else {"CPU": 1}] * len(names), strategy="SPREAD")
+        wait = 300  # seconds for the cluster to find room (an autoscaler may be adding nodes)
+        ready, _ = ray.wait([group.ready()], timeout=wait)
+        if not ready:
+            ray.util.remove_placement_group(group)
+            return (f"--ray: the Ray cluster has no room for {len(names)} vLLM engines ({'1 GPU and ' * gpu}1 CPU "
+                    f"each) after {wait} s: {ray.available_resources()} free")
+        actor = ray.remote(num_cpus=1, num_gpus=gpu)(RayEngine)
+        if Path(args.pretrain).exists():  # the actors load it too, from their own working directory
+            args = argparse.Namespace(**{**vars(args), "pretrain": str(Path(args.pretrain).resolve())})
+        self.engines = [actor.options(name=name, scheduling_strategy=PlacementGroupSchedulingStrategy(group, i)).remote(
+            args, model.config.vocab_size, model.config.tie_word_embeddings, args.seed + i)
+            for i, name in enumerate(names)]
+        return None
+
     def start_engines(self, trainer_gpus):
         """Rank 0: start the engines if none got a trainer's GPU (the NCCL weight group would fail with
-        "Duplicate GPU detected", or vLLM's memory check). -> None, or what went wrong, in one line."""
+        "Duplicate GPU detected", or vLLM's memory check), and say on how many Ray nodes they are. -> None, or what
+        went wrong, in one line."""
         import ray
 
         try:
-            if trainer_gpus & set(ray.get([e.gpu.remote() for e in self.engines])):
+            gpus, nodes = zip(*ray.get([e.place.remote() for e in self.engines]))
+            if trainer_gpus & set(gpus):
                 return ("--ray: a vLLM engine got a GPU a trainer process uses; start the Ray cluster with the "
                         "engines' GPUs only (CUDA_VISIBLE_DEVICES, README)")
+            console.print(f"{len(self.engines)} vLLM engines on {len(set(nodes))} Ray node(s)", markup=False)
             ray.get([e.start.remote() for e in self.engines])
         except ray.exceptions.RayError as e:  # the engine's own exception, in one line
             return f"--ray: a vLLM engine failed to start: {getattr(e, 'cause', None) or e}"

@@ -24,6 +24,7 @@ Layout of toy_world/:
                                 {"input": "07+x=?</s>\n07+45=", "output": "52"}  (its first and second turns)
 """
 
+import fcntl
 import json
 import os
 import random
@@ -192,30 +193,30 @@ def is_current(path):
 
 def ensure_toy_world(path=TOY_DIR):
     """Build the toy world at `path` unless an up-to-date one is there; return the path.
-    Built in a temporary directory and renamed into place, so concurrent callers (ranks) are safe."""
+    Concurrent callers (every rank of every node that shares the directory) take turns on a lock file beside it: the
+    first builds (in a temporary directory, renamed into place, so a crash leaves no half world), the others find it
+    built. Without the lock a caller could remove a stale world just as another renamed the fresh one in."""
     path = Path(path)
     if is_current(path):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".toy_world-", dir=path.parent))
-    tmp.chmod(0o755)
-    tokenizer = build_tokenizer()
-    tokenizer.save_pretrained(tmp / "model")
-    build_model(tokenizer).save_pretrained(tmp / "model")
-    tokenizer.save_pretrained(tmp / "model_half")
-    build_model(tokenizer, layers=2).save_pretrained(tmp / "model_half")
-    for name, records in build_datasets(random.Random(0)).items():
-        with open(tmp / f"{name}.jsonl", "w") as f:
-            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    (tmp / "VERSION").write_text(VERSION)
-    if path.exists() and not is_current(path):
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if is_current(path):  # built while this caller waited
+            return path
+        tmp = Path(tempfile.mkdtemp(prefix=".toy_world-", dir=path.parent))
+        tmp.chmod(0o755)
+        tokenizer = build_tokenizer()
+        for name, layers in (("model", 4), ("model_half", 2)):
+            tokenizer.save_pretrained(tmp / name)
+            build_model(tokenizer, layers=layers).save_pretrained(tmp / name)
+        for name, records in build_datasets(random.Random(0)).items():
+            with open(tmp / f"{name}.jsonl", "w") as f:
+                f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        (tmp / "VERSION").write_text(VERSION)
         shutil.rmtree(path, ignore_errors=True)  # a stale or half-written world
-    try:
         os.rename(tmp, path)
-    except OSError:  # another process finished first; its world is the same
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
-
 
 if __name__ == "__main__":
     root = ensure_toy_world(sys.argv[1] if len(sys.argv) > 1 else TOY_DIR)

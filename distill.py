@@ -5,8 +5,9 @@ Language Models: Learning from Self-Generated Mistakes"; and the per-token rever
     python distill.py --teacher_pretrain runs/sft                 # toy world: the student is --pretrain (default
                                                                   # the random toy model), prompts its SFT data
     python distill.py --pretrain runs/sft_short --teacher_pretrain runs/sft --lmbda 1
-    deepspeed --num_gpus 8 distill.py --pretrain Qwen/Qwen2.5-0.5B-Instruct --teacher_pretrain Qwen/Qwen2.5-7B-Instruct \\
-        --dataset prompts.jsonl --input_key prompt --apply_chat_template --vllm --zero_stage 3 --bf16 --lmbda 1
+    deepspeed --num_gpus 8 distill.py --pretrain Qwen/Qwen2.5-0.5B-Instruct \\
+        --teacher_pretrain Qwen/Qwen2.5-7B-Instruct --dataset prompts.jsonl --input_key prompt \\
+        --apply_chat_template --vllm --zero_stage 3 --bf16 --lmbda 1
 
 Each step takes --rollout_batch_size prompts. With probability --lmbda the student samples their completions
 (on-policy; HF generate, or vLLM with --vllm / --ray as in grpo.py); otherwise the completions are the dataset's
@@ -83,7 +84,8 @@ def response_logits(model, pairs, pad_id, packing):
     logits = model(**inputs, logits_to_keep=keep).logits[where]  # [sum R, V]
     lengths = [len(r) for _, r in pairs]
     padded = torch.nn.utils.rnn.pad_sequence(logits.split(lengths), batch_first=True)
-    mask = torch.arange(padded.size(1), device=padded.device)[None] < torch.tensor(lengths, device=padded.device)[:, None]
+    lengths = torch.tensor(lengths, device=padded.device)
+    mask = torch.arange(padded.size(1), device=padded.device)[None] < lengths[:, None]
     return padded, mask
 
 

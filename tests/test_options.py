@@ -22,7 +22,7 @@ import sft
 from conftest import ROOT, results, run_main, run_script, script_args, stock_accuracy
 from test_e2e import stock_rm_eval, stock_sft_eval
 
-SCRIPTS = ("sft.py", "rm.py", "prm.py", "ppo.py", "grpo.py", "dpo.py", "online_dpo.py")
+SCRIPTS = ("sft.py", "rm.py", "prm.py", "ppo.py", "grpo.py", "dpo.py", "online_dpo.py", "distill.py")
 EVERYWHERE = ["--lora_rank", "--lora_alpha", "--lora_dropout", "--target_modules", "--load_in_4bit", "--dataset",
               "--dataset_probs", "--eval_dataset", "--max_samples", "--tokenizer_chat_template", "--learning_rate",
               "--adam_betas", "--l2", "--lr_scheduler", "--lr_warmup_ratio", "--max_norm", "--max_epochs",
@@ -33,7 +33,8 @@ ONLY = {"--pretrain_mode": ("sft.py",),
         **{o: ("ppo.py", "grpo.py") for o in ("--eval_n_samples_per_prompt", "--eval_temperature",
                                               "--no_advantage_std_norm", "--entropy_loss_coef", "--rollout_correction",
                                               "--rollout_correction_bounds", "--async_steps")},
-        **{o: ("ppo.py", "grpo.py", "online_dpo.py") for o in ("--enable_prefix_caching", "--enforce_eager")},
+        **{o: ("ppo.py", "grpo.py", "online_dpo.py", "distill.py")
+           for o in ("--enable_prefix_caching", "--enforce_eager")},
         **{o: ("grpo.py",) for o in ("--policy_loss_type", "--importance_sampling_level", "--delta", "--tau_pos",
                                      "--tau_neg", "--kl_ratio_weighted")}}
 
@@ -43,7 +44,7 @@ import json, os, sys, warnings
 import torch, transformers
 from transformers import AttentionInterface
 env, filters, level = dict(os.environ), list(warnings.filters), transformers.logging.get_verbosity()
-import common, rollout, grpo, ppo, sft, rm, prm, serve_rm, dpo, online_dpo, make_pairs
+import common, rollout, grpo, ppo, sft, rm, prm, serve_rm, dpo, online_dpo, distill, make_pairs
 print(json.dumps({"env": sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)),
                   "filters": warnings.filters == filters, "verbosity": transformers.logging.get_verbosity() == level,
                   "packed_sdpa": "packed_sdpa" in AttentionInterface._global_mapping}))

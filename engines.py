@@ -274,19 +274,21 @@ def free_gpus(args):
 class RayEngines:
     """--ray: rank 0 joins the Ray cluster at --ray_address / $RAY_ADDRESS (or starts a local one, on a CUDA
     machine on the GPUs no trainer process uses) and creates --vllm_num_engines named RayEngine actors, one
-    GPU each; the other ranks join and look them up. Rank 0 checks that no engine got a GPU a trainer process
+    GPU each, in a placement group spread over the cluster's nodes; the other ranks (on any node: each needs a
+    raylet there) join and look them up. Rank 0 checks that no engine got a GPU a trainer process
     uses, starts them, and opens the weight group with them; a failure stops every rank with one line. Each
     rank generates on one engine (rank modulo engines)."""
 
     def __init__(self, args, model, tokenizer):
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         self.args, self.eos = args, tokenizer.eos_token_id
-        names = [f"vllm_engine_{i}" for i in range(args.vllm_num_engines)]
+        # named per run, so that two runs can share a long-lived cluster
+        names = [f"vllm_engine_{os.urandom(4).hex()}_{i}" for i in range(args.vllm_num_engines)]
         trainer_gpus = [None] * dist.get_world_size()
         dist.all_gather_object(trainer_gpus, gpu_uuid())
         start_local = args.ray_address is None and not os.environ.get("RAY_ADDRESS")
         gpus = free_gpus(args) if start_local and torch.cuda.is_available() else None  # every rank: fails alike
-        cluster = {}  # rank 0's: the cluster's address, its auth mode, what went wrong (None: nothing)
+        cluster = {"names": names}  # rank 0's: its engines' names, the cluster's address and auth mode, what went wrong
         if dist.get_rank() == 0:
             import ray
 
@@ -317,7 +319,7 @@ class RayEngines:
 
             ray.init(address=cluster["address"], namespace="rlhf-minimal")
             exit_on_sigterm()
-            self.engines = [ray.get_actor(name) for name in names]
+            self.engines = [ray.get_actor(name) for name in cluster["names"]]
             return
         host, port = ray.util.get_node_ip_address(), common.free_port("")  # where the engines reach this process
         world = 1 + len(self.engines)

@@ -24,8 +24,8 @@ STEPS = ["--max_samples", 80, "--rollout_batch_size", 16, "--n_samples_per_promp
 def ray_processes():
     """The Ray processes on this machine (head, raylet, workers and actors)."""
     out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in out.splitlines()
-            if any(k in line for k in ("ray::", "raylet", "gcs_server", "ray/dashboard", "log_monitor"))}
+    kinds = ("ray::", "raylet", "gcs_server", "ray/dashboard", "log_monitor", "runtime_env")
+    return {line.split()[0] for line in out.splitlines() if any(k in line for k in kinds)}
 
 
 def recorded_run(out_path, *argv):

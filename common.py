@@ -281,11 +281,11 @@ def checkpoints_node_local(args):
         marks.mkdir(parents=True, exist_ok=True)
         (marks / str(dist.get_rank())).touch()
         dist.barrier()
-        missing = torch.tensor([sum(not (marks / str(r)).exists() for r in range(world))])
-        dist.all_reduce(missing)
+        missing, = all_reduce_sum([sum(not (marks / str(r)).exists() for r in range(world))])
         dist.barrier()
-        shutil.rmtree(marks, ignore_errors=True)
-        _NODE_LOCAL[args.ckpt_path] = missing.item() > 0
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            shutil.rmtree(marks, ignore_errors=True)
+        _NODE_LOCAL[args.ckpt_path] = missing > 0
     return _NODE_LOCAL[args.ckpt_path]
 
 
@@ -891,12 +891,12 @@ def save_checkpoint(engine, args, step, extra=None, others=None):
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     torch.save(rng, tag_dir / f"rng_rank{dist.get_rank()}.pt")
     engine.save_checkpoint(args.ckpt_path, tag=tag, client_state={"step": step, **(extra or {})})
-    dist.barrier()  # every rank's files are written
-    if node_writer(args):
+    if node_writer(args):  # (DeepSpeed's save ends when every rank's files are written)
         for d in [Path(args.ckpt_path)] + [Path(args.ckpt_path) / name for name in others or {}]:
             if not is_rank0():  # DeepSpeed writes 'latest' on rank 0 only: the other nodes' copies
-                (d / ".latest.tmp").write_text(tag)
-                (d / ".latest.tmp").rename(d / "latest")
+                tmp = d / f".latest.tmp-{dist.get_rank()}"
+                tmp.write_text(tag)
+                tmp.rename(d / "latest")
             old = sorted(d.glob("global_step*"), key=lambda p: int(p.name[len("global_step"):]))
             for p in old[:-args.max_ckpt_num]:
                 shutil.rmtree(p, ignore_errors=True)

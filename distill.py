@@ -25,8 +25,10 @@ both distributions at --temperature (generalized_jsd_loss; TRL's GKD divides bot
 written with the mixture's log-probs by logsumexp and its two ends special-cased (it tends to 0 at beta 0 and 1, not
 to the KLs), the loss a mean over every completion token of the micro-batch (token-mean, as TRL's), the dataset's
 completions tokenized as sft.py trains them (dataset_rollout), the on-policy coin seeded alike on every rank (all
-ranks take the same branch, as ZeRO-3's generation needs), the gkd teacher read per micro-batch (its [b, T, V]
-logits, never the whole batch's at once).
+ranks take the same branch, as ZeRO-3's generation needs, and a resumed run the uninterrupted one's), the gkd
+teacher read per micro-batch (the [tokens, V] logits of its completions, never the whole batch's at once: several
+fp32 copies of them are the step's peak memory; with --teacher_offload below ZeRO-3 the teacher moves to the
+accelerator for each micro-batch, memory bought with time), both models' logits cut to the tokenizer's vocabulary.
 """
 
 import argparse
@@ -77,16 +79,13 @@ def sampled_kl_loss(logprobs, old_logprobs, teacher_logprobs, action_mask, eps_c
     return common.masked_mean(torch.where(action_mask.bool(), loss, 0.0), action_mask)
 
 
-def response_logits(model, pairs, pad_id, packing):
-    """The next-token logits at every completion token's position, padded: [b, R, V] (0 on padding), and the mask."""
+def response_logits(model, pairs, pad_id, packing, vocab):
+    """The next-token logits at every completion token's position, the completions one after another: [sum R, vocab].
+    Cut to the tokenizer's `vocab`: a checkpoint pads its embedding rows to its own multiple (Qwen2.5's 0.5B has
+    151,936, its 7B 152,064), and rows no token maps to are not part of either distribution."""
     inputs, where = common.response_inputs(model, pairs, pad_id, packing)
     keep, where = common.response_logits_to_keep(inputs, where)
-    logits = model(**inputs, logits_to_keep=keep).logits[where]  # [sum R, V]
-    lengths = [len(r) for _, r in pairs]
-    padded = torch.nn.utils.rnn.pad_sequence(logits.split(lengths), batch_first=True)
-    lengths = torch.tensor(lengths, device=padded.device)
-    mask = torch.arange(padded.size(1), device=padded.device)[None] < lengths[:, None]
-    return padded, mask
+    return model(**inputs, logits_to_keep=keep).logits[where][:, :vocab]
 
 
 # ------------------------------------------------------------------------------------------- rollout
@@ -137,7 +136,7 @@ DEFAULTS = {
 
 def parse_args():
     parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
-    rollout.add_rollout_args(parser, policy_gradient=False)
+    rollout.add_rollout_args(parser, policy_gradient=False, rewards=False)
     a = parser.add_argument
     a("--teacher_pretrain", "--teacher_model", dest="teacher_pretrain", help="the teacher (frozen)")
     a("--teacher_offload", action="store_true", help="keep the teacher on the CPU between uses")
@@ -158,6 +157,8 @@ def parse_args():
     if args.lmbda < 1 and not args.seq_kd and not args.output_key:
         common.fail(f"--lmbda {args.lmbda} takes some batches' completions from the dataset: name them with "
                     "--output_key (or --lmbda 1, or --seq_kd for the teacher's samples)")
+    if args.seq_kd and args.lmbda == 1:
+        common.fail("--seq_kd samples the off-policy batches from the teacher, and --lmbda 1 leaves none")
     if args.loss_type == "sampled" and args.lmbda < 1:
         common.fail("--loss_type sampled is a policy gradient on the student's own samples: it needs --lmbda 1")
     if args.temperature <= 0:
@@ -177,7 +178,7 @@ def main():
     start = time.time()
     tokenizer = common.load_tokenizer(args.pretrain, args)
     check_same_tokenizer(tokenizer, common.load_tokenizer(args.teacher_pretrain, args), args.teacher_pretrain)
-    pad_id = tokenizer.pad_token_id
+    pad_id, vocab = tokenizer.pad_token_id, len(tokenizer)
     # (with --output_key a record without it stops the run naming the file and line)
     prompts, eval_prompts, total_steps = rollout.load_prompt_sets(args, tokenizer, 1)
     updates = args.rollout_batch_size // args.train_batch_size * args.max_epochs
@@ -191,7 +192,6 @@ def main():
     # HF generate on the student; --vllm / --ray: vLLM engines fed its weights (and again after every update)
     engine = rollout.start_engine(args, student.module, tokenizer, start_step)
     stream = rollout.prompt_batches(prompts, args.rollout_batch_size, args.seed, state.get("prompt_cursor", 0))
-    coin = random.Random(args.seed + start_step)  # which steps are on-policy
 
     def eval_metrics(batch):  # --eval_reward_func's reward and logs (toy: exact match, as accuracy)
         if not eval_fn:
@@ -213,7 +213,7 @@ def main():
         #    teacher's samples)
         student.module.eval()
         records, cursor = next(stream)
-        on_policy = coin.random() < args.lmbda
+        on_policy = random.Random(f"{args.seed}/{step}").random() < args.lmbda  # alike on every rank, and on resume
         t = time.time()
         if on_policy:
             batch = engine.sample(records, args.temperature)
@@ -226,15 +226,15 @@ def main():
 
         # 2. the teacher: its log-probs of the sampled tokens (sampled), and the student's old ones; gkd reads the
         #    teacher's full distributions per micro-batch in 3
-        t = time.time()
-        action_mask = batch.action_mask  # [N, R]
+        action_mask, metrics["teacher_s"] = batch.action_mask, 0.0  # [N, R]
         if args.loss_type == "sampled":
+            t = time.time()
             with common.on_accelerator(teacher, offloaded) as model:
                 teacher_logprobs = rollout.rollout_logprobs(model, batch, pad_id, args.packing_samples,
                                                             args.temperature, args.micro_rollout_batch_size)
+            metrics["teacher_s"] = time.time() - t
             old_logprobs = rollout.rollout_logprobs(student.module, batch, pad_id, args.packing_samples,
                                                     args.temperature, args.micro_rollout_batch_size)
-        metrics["teacher_s"] = time.time() - t
 
         # 3. update: --max_epochs passes over shuffled micro-batches; DeepSpeed steps every train_batch_size samples
         t, teacher_s = time.time(), 0.0
@@ -244,17 +244,16 @@ def main():
             for mb in torch.randperm(len(batch.records)).split(args.micro_train_batch_size):
                 pairs = batch.pairs(mb)
                 if args.loss_type == "gkd":
-                    logits, mask = response_logits(student, pairs, pad_id, args.packing_samples)  # [b, T, V]
+                    logits = response_logits(student, pairs, pad_id, args.packing_samples, vocab)  # [sum R, V]
                     t_teacher = time.time()
                     with torch.no_grad(), common.on_accelerator(teacher, offloaded) as model:
-                        teacher_logits, _ = response_logits(model, pairs, pad_id, args.packing_samples)
+                        teacher_logits = response_logits(model, pairs, pad_id, args.packing_samples, vocab)
+                    teacher_logits = teacher_logits.to(logits.device)
                     teacher_s += time.time() - t_teacher
-                    loss = generalized_jsd_loss(logits, teacher_logits.to(logits.device), args.beta, args.temperature,
-                                                mask)
-                    tokens = torch.cat([r for _, r in pairs]).to(logits.device)
-                    lp_s = torch.log_softmax(logits[mask].float() / args.temperature, -1).gather(-1, tokens[:, None])
-                    lp_t = torch.log_softmax(teacher_logits.to(logits.device)[mask].float() / args.temperature,
-                                             -1).gather(-1, tokens[:, None])
+                    loss = generalized_jsd_loss(logits, teacher_logits, args.beta, args.temperature)  # token mean
+                    tokens = torch.cat([r for _, r in pairs]).to(logits.device)[:, None]
+                    lp_s, lp_t = (torch.log_softmax(x.detach().float() / args.temperature, -1).gather(-1, tokens)
+                                  for x in (logits, teacher_logits))
                 else:
                     logprobs, _, _ = common.response_logprobs(student, pairs, pad_id, args.packing_samples,
                                                               args.temperature)  # [b, T]

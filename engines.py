@@ -282,13 +282,11 @@ class RayEngines:
     def __init__(self, args, model, tokenizer):
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         self.args, self.eos = args, tokenizer.eos_token_id
-        # named per run, so that two runs can share a long-lived cluster
-        names = [f"vllm_engine_{os.urandom(4).hex()}_{i}" for i in range(args.vllm_num_engines)]
         trainer_gpus = [None] * dist.get_world_size()
         dist.all_gather_object(trainer_gpus, gpu_uuid())
         start_local = args.ray_address is None and not os.environ.get("RAY_ADDRESS")
         gpus = free_gpus(args) if start_local and torch.cuda.is_available() else None  # every rank: fails alike
-        cluster = {"names": names}  # rank 0's: its engines' names, the cluster's address and auth mode, what went wrong
+        cluster = {}  # rank 0's: its engines' names, the cluster's address and auth mode, what went wrong (None: no)
         if dist.get_rank() == 0:
             import ray
 
@@ -304,7 +302,9 @@ class RayEngines:
             # the others join the same cluster; a local one started here has token auth on (its token is in
             # ~/.ray), which ranks launched before it was started must be told
             cluster.update(address=ray.get_runtime_context().gcs_address, auth=os.environ.get("RAY_AUTH_MODE"))
-            cluster["error"] = self.create_engines(args, model, names) or \
+            # named per run, so that two runs can share a long-lived cluster
+            cluster["names"] = [f"vllm_engine_{os.urandom(4).hex()}_{i}" for i in range(args.vllm_num_engines)]
+            cluster["error"] = self.create_engines(args, model, cluster["names"]) or \
                 self.start_engines(set(trainer_gpus) - {None})
         shared = [cluster]
         dist.broadcast_object_list(shared, src=0)

@@ -29,10 +29,11 @@ TOY_REWARD = str(Path(__file__).resolve().parent / "toy.py")  # its reward_func 
 
 
 # ----------------------------------------------------------------------------------------------- flags
-def add_rollout_args(parser, policy_gradient=True):
+def add_rollout_args(parser, policy_gradient=True, rewards=True):
     """The RL scripts' shared flags (OpenRLHF's names): sampling, vLLM / Ray engines, rewards, evaluation.
     policy_gradient (grpo.py, ppo.py): also --n_samples_per_prompt, --async_steps, the rollout correction and
-    sampled evaluation. Scripts set their own defaults."""
+    sampled evaluation; without rewards (distill.py: a teacher instead) no reward flags. Scripts set their own
+    defaults."""
     a = parser.add_argument
     a("--rollout_batch_size", type=int, default=64, help="prompts per step (all ranks)")
     a("--micro_rollout_batch_size", type=int, default=8, help="samples per generate / log-prob / reward chunk")
@@ -51,14 +52,19 @@ def add_rollout_args(parser, policy_gradient=True):
     a("--vllm_num_engines", type=int, default=1, help="with --ray: how many vLLM engines")
     a("--vllm_tensor_parallel_size", type=int, default=1, help="GPUs per engine (--vllm: that many ranks share one)")
     a("--enable_prefix_caching", action="store_true", help="vLLM reuses the KV cache of shared prompt prefixes")
-    a("--reward_pretrain", default=None, help="a sequence-classification reward model, or a prm.py model")
-    a("--prm_reduce", default="min", choices=("min", "last", "mean"), help="a PRM's reward: its step scores reduced")
-    a("--step_separator", default="\n", help="what ends a reasoning step (for a PRM and --process_rewards)")
-    a("--remote_rm_url", default=None, help="reward server URL (/get_reward API) or a .py file with reward_func")
-    a("--remote_rm_batch_size", type=int, default=64, help="queries per HTTP request")
-    a("--remote_rm_timeout", type=float, default=60.0, help="seconds per HTTP request")
-    a("--remote_rm_retries", type=int, default=3, help="retries after a failed HTTP request (1 s, 2 s, 4 s...)")
-    a("--non_stop_penalty", type=float, default=None, help="reward of a completion without EOS (default: as scored)")
+    if rewards:
+        a("--reward_pretrain", default=None, help="a sequence-classification reward model, or a prm.py model")
+        a("--prm_reduce", default="min", choices=("min", "last", "mean"),
+          help="a PRM's reward: its step scores reduced")
+        a("--step_separator", default="\n", help="what ends a reasoning step (for a PRM and --process_rewards)")
+        a("--remote_rm_url", default=None, help="reward server URL (/get_reward API) or a .py file with reward_func")
+        a("--remote_rm_batch_size", type=int, default=64, help="queries per HTTP request")
+        a("--remote_rm_timeout", type=float, default=60.0, help="seconds per HTTP request")
+        a("--remote_rm_retries", type=int, default=3, help="retries after a failed HTTP request (1 s, 2 s, 4 s...)")
+        a("--non_stop_penalty", type=float, default=None,
+          help="reward of a completion without EOS (default: as scored)")
+    else:  # what shared code reads
+        parser.set_defaults(reward_pretrain=None, remote_rm_url=None, non_stop_penalty=None)
     a("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: before and after training only)")
     if not policy_gradient:  # in step, no episodes
         parser.set_defaults(async_steps=0, agent_func_path=None)

@@ -214,9 +214,14 @@ def ensure_toy_world(path=TOY_DIR):
             with open(tmp / f"{name}.jsonl", "w") as f:
                 f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         (tmp / "VERSION").write_text(VERSION)
-        shutil.rmtree(path, ignore_errors=True)  # a stale or half-written world
-        os.rename(tmp, path)
+        if path.exists() and not is_current(path):
+            shutil.rmtree(path, ignore_errors=True)  # a stale or half-written world
+        try:
+            os.rename(tmp, path)
+        except OSError:  # built meanwhile by a process the lock does not reach (flock local to a node on some NFS)
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
+
 
 if __name__ == "__main__":
     root = ensure_toy_world(sys.argv[1] if len(sys.argv) > 1 else TOY_DIR)

@@ -76,6 +76,11 @@ def at(points, t):
     return [acc for _, s, acc in points if s <= t + 1e-9][-1]
 
 
+def first_lift(points, lift=0.30):
+    """The training time of a curve's first eval at least `lift` above its start (None: never)."""
+    return next((s for _, s, acc in points if acc >= points[0][2] + lift - 1e-9), None)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -86,7 +91,11 @@ def main():
     p.add_argument("--episodes", type=int, default=6, help="distill arms: passes over the 9,500 training prompts")
     p.add_argument("--grpo_steps", type=int, default=200, help="steps of 32 prompts x 8 samples (the demo's)")
     p.add_argument("--eval_steps", type=int, default=50)
+    p.add_argument("--table_only", action="store_true", help="print the table of bench/results/distill.json")
     args = p.parse_args()
+    if args.table_only:
+        result = json.loads((ROOT / "bench" / "results" / "distill.json").read_text())
+        return table(result["runs"], argparse.Namespace(**result["settings"]))
     paths = students()
     runs = []
     for student in args.students:
@@ -106,8 +115,9 @@ def main():
 
 
 def table(runs, args):
-    print("| student | arm | before | after (mean, min-max) | lift | train s | at equal time | wall s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| student | arm | before | after (mean, min-max) | lift | train s | first +30 points (s) | at equal time | "
+          "wall s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for student in args.students:
         mine = [r for r in runs if r["student"] == student]
         # each seed's arms are read at the shortest of that seed's runs
@@ -116,9 +126,11 @@ def table(runs, args):
             rs = [r for r in mine if r["arm"] == arm]
             after = [r["after"] for r in rs]
             same_time = statistics.mean(at(r["curve"], equal[r["seed"]]) for r in rs)
+            lifts = [first_lift(r["curve"]) for r in rs]
+            lift = "never" if None in lifts else f"{statistics.mean(lifts):.0f} ({min(lifts):.0f}-{max(lifts):.0f})"
             print(f"| {student} | {arm} | {rs[0]['before']:.1%} | {statistics.mean(after):.1%} "
                   f"({min(after):.1%}-{max(after):.1%}) | {statistics.mean(after) - rs[0]['before']:+.1%} | "
-                  f"{statistics.mean(r['train_s'] for r in rs):.0f} | {same_time:.1%} at "
+                  f"{statistics.mean(r['train_s'] for r in rs):.0f} | {lift} | {same_time:.1%} at "
                   f"{statistics.mean(equal.values()):.0f} s | {statistics.mean(r['wall_s'] for r in rs):.0f} |")
 
 

@@ -104,9 +104,9 @@ def logged(proc, key):
 
 
 @torch.no_grad()
-def forward_kl(student, teacher, records):
-    """KL(teacher || student) in float64 at every answer token (and the EOS after it) of the records, teacher-forced,
-    averaged over the tokens: stock classes, one record at a time."""
+def forward_kl(student, teacher, records, reverse=False):
+    """KL(teacher || student) (reverse: KL(student || teacher)) in float64 at every answer token (and the EOS after
+    it) of the records, teacher-forced, averaged over the tokens: stock classes, one record at a time."""
     tok = AutoTokenizer.from_pretrained(teacher)
     s, t = (AutoModelForCausalLM.from_pretrained(p).double().eval() for p in (student, teacher))
     total, n = 0.0, 0
@@ -114,7 +114,7 @@ def forward_kl(student, teacher, records):
         prompt = tok(r["input"])["input_ids"]
         ids = torch.tensor([prompt + tok(r["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]])
         ls, lt = (torch.log_softmax(m(ids).logits[0, len(prompt) - 1:-1], -1) for m in (s, t))
-        total += (lt.exp() * (lt - ls)).sum().item()
+        total += (ls.exp() * (ls - lt) if reverse else lt.exp() * (lt - ls)).sum().item()
         n += ls.size(0)
     return total / n
 
@@ -136,16 +136,45 @@ def test_toy_run_with_a_teacher_only(policy, tmp_path):
     ["--lmbda", 1, "--loss_type", "sampled"],
 ], ids=["gkd-on-policy", "seq_kd-forward", "sampled"])
 def test_a_student_equal_to_its_teacher_has_nothing_to_learn(policy, tmp_path, flags):
-    """Student = teacher: every divergence is 0, whichever samples (the student's, the teacher's) it is read on, so
-    the loss is 0 and the two log-probs of the sampled tokens equal. A misaligned teacher position, temperature or
-    token would show here. (At learning rate 0: Adam would scale the float32 noise of a zero gradient up to
-    lr-sized steps, and the two would part.)"""
+    """Student = teacher, each path (the student's samples, the teacher's, the sampled-token loss) run end to end:
+    the loss is 0 and the two log-probs of the sampled tokens are equal and negative. A plumbing check (both sides
+    go through the same code); the numbers are checked against stock models in the next test. (At learning rate 0:
+    Adam would scale the float32 noise of a zero gradient up to lr-sized steps, and the two would part.)"""
     proc = run_main("distill.py", "--pretrain", policy, "--teacher_pretrain", policy, *STEPS, *flags,
                     "--temperature", 0.7, "--learning_rate", 0, "--eval_dataset", "", "--save_path", tmp_path / "d")
     assert len(logged(proc, "loss")) == 4
     assert max(abs(x) for x in logged(proc, "loss")) < 1e-6
     for s, t in zip(logged(proc, "student_logprob"), logged(proc, "teacher_logprob")):
         assert s == pytest.approx(t, abs=1e-5) and s < 0
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_the_logged_loss_is_the_kl_of_the_stock_models(policy, toy_world, tmp_path, beta):
+    """One step on 32 dataset answers in one micro-batch, at learning rate 0: the loss it logs equals the forward
+    (--beta 0) or reverse (1) KL between the random toy student and the teacher, averaged over the answers' tokens,
+    recomputed in float64 with stock classes one record at a time."""
+    proc = run_main("distill.py", "--teacher_pretrain", policy, "--max_samples", 32, "--num_episodes", 1,
+                    "--rollout_batch_size", 32, "--train_batch_size", 32, "--micro_train_batch_size", 32,
+                    "--lmbda", 0, "--beta", beta, "--learning_rate", 0, "--logging_steps", 1, "--eval_dataset", "",
+                    "--save_path", tmp_path / "d")
+    records = [json.loads(line) for line in open(toy_world / "sft_train.jsonl")][:32]
+    want = forward_kl(toy_world / "model", policy, records, reverse=beta == 1)
+    assert logged(proc, "loss") == [pytest.approx(want, rel=1e-4)]
+
+
+def test_resume_takes_the_same_batches(policy, tmp_path):
+    """Half on-policy (--lmbda 0.5, drawn per step; seed 4: on, off | off, on), a checkpoint at step 2 of 4: resumed
+    from it, the run ends with the uninterrupted run's weights."""
+    flags = ["--teacher_pretrain", policy, *STEPS, "--lmbda", 0.5, "--seed", 4, "--eval_dataset", "",
+             "--ckpt_path", tmp_path / "ckpt"]
+    proc = run_main("distill.py", *flags, "--save_steps", 2, "--save_path", tmp_path / "a")
+    assert sorted(set(logged(proc, "on_policy"))) == [0.0, 1.0]
+    shutil.rmtree(tmp_path / "ckpt" / "global_step4")
+    (tmp_path / "ckpt" / "latest").write_text("global_step2")
+    proc = run_main("distill.py", *flags, "--load_checkpoint", "--save_path", tmp_path / "b")
+    assert "resumed from" in proc.stdout + proc.stderr
+    a, b = weights(tmp_path / "a"), weights(tmp_path / "b")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
 
 
 @pytest.mark.parametrize("flags", [
@@ -182,10 +211,10 @@ def test_ray_two_processes_mixing_student_and_teacher_samples(policy, sft_eval, 
     others (--lmbda 0.5 --seq_kd: HF generate on its partitions, every rank in step); the run ends with its eval as HF
     recomputes it."""
     proc = run_script("distill.py", "--teacher_pretrain", policy, *STEPS,
-                      "--lmbda", 0.5, "--seq_kd", "--ray", "--zero_stage", 3, "--eval_dataset", sft_eval, "--seed", 3,
+                      "--lmbda", 0.5, "--seq_kd", "--ray", "--zero_stage", 3, "--eval_dataset", sft_eval, "--seed", 4,
                       "--save_path", tmp_path / "r", nproc=2)
     assert results(tmp_path / "r")["eval_accuracy"] == stock_accuracy(tmp_path / "r", sft_eval)
-    assert sorted(set(logged(proc, "on_policy"))) == [0.0, 1.0]  # seed 3's coin: both kinds of batch
+    assert sorted(set(logged(proc, "on_policy"))) == [0.0, 1.0]  # seed 4: both kinds of batch
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -196,7 +225,8 @@ def test_ray_two_processes_mixing_student_and_teacher_samples(policy, sft_eval, 
     (["--teacher_pretrain", "TEACHER", "--dataset", "PROMPTS", "--input_key", "input", "--lmbda", 0.5],
      "name them with --output_key"),
     (["--teacher_pretrain", "TEACHER", "--dataset", "PROMPTS", "--input_key", "input", "--output_key", "output",
-      "--prompt_max_len", 16], "output"),
+      "--prompt_max_len", 16], "line 1: missing key 'output'"),
+    (["--teacher_pretrain", "TEACHER", "--seq_kd", "--lmbda", 1], "--lmbda 1 leaves none"),
     (["--teacher_pretrain", "TEACHER", "--loss_type", "sampled", "--lmbda", 0.5], "needs --lmbda 1"),
 ])
 def test_one_line_errors(policy, toy_world, tmp_path, flags, message):

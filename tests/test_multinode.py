@@ -7,6 +7,7 @@ disks that resume on both to the weights of the run never interrupted; and a toy
 two-node Ray cluster (Ray's cluster utilities) whose vLLM engines land on both nodes."""
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -33,14 +34,19 @@ def two_nodes(script, *args, root, env=None, timeout=600, check=True):
                str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), str(ROOT / script),
                *map(str, args)]
         log = open(cwd / f"{script}.log", "w")  # a file, not a pipe: a node blocked on a full pipe would stall both
-        procs.append((subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+        procs.append((subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                        env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))), log))
-    outs = []
-    for node, (proc, log) in enumerate(procs):
-        proc.wait(timeout=timeout)
-        log.close()
-        outs.append((root / f"node{node}" / f"{script}.log").read_text())
-        assert proc.returncode == 0 or not check, f"node {node} failed:\n{outs[-1][-6000:]}"
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=timeout)
+    finally:  # a node that hangs must not outlive the test, nor its workers
+        for proc, log in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            log.close()
+    outs = [(root / f"node{node}" / f"{script}.log").read_text() for node in (0, 1)]
+    for node, (proc, _) in enumerate(procs):
+        assert proc.returncode == 0 or not check, f"node {node} failed:\n{outs[node][-6000:]}"
     return outs
 
 

@@ -981,7 +981,7 @@ class Logger:
         text = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
         if prefix == "train":
             self.progress.update(self.task, completed=step, metrics=text)
-        if prefix != "train" or step % self.args.logging_steps == 0:
+        if prefix != "train" or step % self.args.logging_steps == 0 or step == self.steps:  # the last step too
             self.progress.console.print(f"{prefix} step {step}: {text}", markup=False)
         for k, v in metrics.items():
             if self.tb:

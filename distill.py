@@ -251,8 +251,8 @@ def main():
                     teacher_logits = teacher_logits.to(logits.device)
                     teacher_s += time.time() - t_teacher
                     loss = generalized_jsd_loss(logits, teacher_logits, args.beta, args.temperature)  # token mean
-                    tokens = torch.cat([r for _, r in pairs]).to(logits.device)[:, None]
-                    lp_s, lp_t = (torch.log_softmax(x.detach().float() / args.temperature, -1).gather(-1, tokens)
+                    tokens = torch.cat([r for _, r in pairs]).to(logits.device)
+                    lp_s, lp_t = (common.chunk_logprobs(x.detach(), tokens, args.temperature, False, False)[0]
                                   for x in (logits, teacher_logits))
                 else:
                     logprobs, _, _ = common.response_logprobs(student, pairs, pad_id, args.packing_samples,

@@ -174,10 +174,20 @@ def stock_eval_reward(policy, reward_model, prompts, chat=False):
     return sum(scores) / len(scores)
 
 
+def logged(stdout_and_err, key, prefix="train step"):
+    """The values of `key` in a run's log lines that start with `prefix`, in order."""
+    return [float(line.split(f" {key}=")[1].split()[0]) for line in stdout_and_err.splitlines()
+            if line.startswith(prefix)]
+
+
 def last_logged(stdout_and_err, key, prefix="train step"):
     """The value of `key` in the last log line of a run that starts with `prefix`."""
-    lines = [line for line in stdout_and_err.splitlines() if line.startswith(prefix)]
-    return float(lines[-1].split(f" {key}=")[1].split()[0])
+    return logged(stdout_and_err, key, prefix)[-1]
+
+
+def max_diff(a, b):
+    """The largest absolute difference between two models' tensors (`weights` dicts)."""
+    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def weights(path, model_class=AutoModelForCausalLM):

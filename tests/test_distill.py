@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import distill
-from conftest import results, run_main, run_script, stock_accuracy, weights
+from conftest import logged, max_diff, results, run_main, run_script, stock_accuracy, weights
 
 F64 = dict(dtype=torch.float64)
 
@@ -98,11 +98,6 @@ def sft_eval(toy_world, tmp_path_factory):
     return path
 
 
-def logged(proc, key):
-    return [float(line.split(f" {key}=")[1].split()[0]) for line in (proc.stdout + proc.stderr).splitlines()
-            if line.startswith("train step")]
-
-
 @torch.no_grad()
 def forward_kl(student, teacher, records, reverse=False):
     """KL(teacher || student) (reverse: KL(student || teacher)) in float64 at every answer token (and the EOS after
@@ -125,8 +120,9 @@ def test_toy_run_with_a_teacher_only(policy, tmp_path):
     proc = run_main("distill.py", "--teacher_pretrain", policy, "--max_samples", 64, "--save_path", tmp_path / "d")
     res = results(tmp_path / "d")
     # --logging_steps 10 prints a run's last step too
-    assert res["steps"] == 6 and "train step 6: " in proc.stdout + proc.stderr and len(logged(proc, "loss")) == 1
-    assert all(math.isfinite(x) and x > 0 for x in logged(proc, "loss"))
+    log = proc.stdout + proc.stderr
+    assert res["steps"] == 6 and "train step 6: " in log and len(logged(log, "loss")) == 1
+    assert all(math.isfinite(x) and x > 0 for x in logged(log, "loss"))
     assert "eval_accuracy" in res and "eval_accuracy_before" in res
 
 
@@ -142,9 +138,10 @@ def test_a_student_equal_to_its_teacher_has_nothing_to_learn(policy, tmp_path, f
     Adam would scale the float32 noise of a zero gradient up to lr-sized steps, and the two would part.)"""
     proc = run_main("distill.py", "--pretrain", policy, "--teacher_pretrain", policy, *STEPS, *flags,
                     "--temperature", 0.7, "--learning_rate", 0, "--eval_dataset", "", "--save_path", tmp_path / "d")
-    assert len(logged(proc, "loss")) == 4
-    assert max(abs(x) for x in logged(proc, "loss")) < 1e-6
-    for s, t in zip(logged(proc, "student_logprob"), logged(proc, "teacher_logprob")):
+    log = proc.stdout + proc.stderr
+    assert len(logged(log, "loss")) == 4
+    assert max(abs(x) for x in logged(log, "loss")) < 1e-6
+    for s, t in zip(logged(log, "student_logprob"), logged(log, "teacher_logprob")):
         assert s == pytest.approx(t, abs=1e-5) and s < 0
 
 
@@ -159,7 +156,7 @@ def test_the_logged_loss_is_the_kl_of_the_stock_models(policy, toy_world, tmp_pa
                     "--save_path", tmp_path / "d")
     records = [json.loads(line) for line in open(toy_world / "sft_train.jsonl")][:32]
     want = forward_kl(toy_world / "model", policy, records, reverse=beta == 1)
-    assert logged(proc, "loss") == [pytest.approx(want, rel=1e-4)]
+    assert logged(proc.stdout + proc.stderr, "loss") == [pytest.approx(want, rel=1e-4)]
 
 
 def test_resume_takes_the_same_batches(policy, tmp_path):
@@ -168,13 +165,13 @@ def test_resume_takes_the_same_batches(policy, tmp_path):
     flags = ["--teacher_pretrain", policy, *STEPS, "--lmbda", 0.5, "--seed", 4, "--eval_dataset", "",
              "--ckpt_path", tmp_path / "ckpt"]
     proc = run_main("distill.py", *flags, "--save_steps", 2, "--save_path", tmp_path / "a")
-    assert sorted(set(logged(proc, "on_policy"))) == [0.0, 1.0]
+    assert sorted(set(logged(proc.stdout + proc.stderr, "on_policy"))) == [0.0, 1.0]
     shutil.rmtree(tmp_path / "ckpt" / "global_step4")
     (tmp_path / "ckpt" / "latest").write_text("global_step2")
     proc = run_main("distill.py", *flags, "--load_checkpoint", "--save_path", tmp_path / "b")
     assert "resumed from" in proc.stdout + proc.stderr
     a, b = weights(tmp_path / "a"), weights(tmp_path / "b")
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+    assert max_diff(a, b) < 1e-6
 
 
 @pytest.mark.parametrize("flags", [
@@ -201,9 +198,9 @@ def test_vllm_rollouts_zero3_and_the_reported_eval(policy, toy_world, sft_eval, 
                       "--save_path", tmp_path / "v")
     res = results(tmp_path / "v")
     assert res["eval_accuracy"] == stock_accuracy(tmp_path / "v", sft_eval)
-    assert logged(proc, "on_policy") == [1.0] * 4
+    assert logged(proc.stdout + proc.stderr, "on_policy") == [1.0] * 4
     before, after = weights(toy_world / "model"), weights(tmp_path / "v")
-    assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-4
+    assert max_diff(after, before) > 1e-4
 
 
 def test_ray_two_processes_mixing_student_and_teacher_samples(policy, sft_eval, tmp_path):
@@ -214,7 +211,7 @@ def test_ray_two_processes_mixing_student_and_teacher_samples(policy, sft_eval, 
                       "--lmbda", 0.5, "--seq_kd", "--ray", "--zero_stage", 3, "--eval_dataset", sft_eval, "--seed", 4,
                       "--save_path", tmp_path / "r", nproc=2)
     assert results(tmp_path / "r")["eval_accuracy"] == stock_accuracy(tmp_path / "r", sft_eval)
-    assert sorted(set(logged(proc, "on_policy"))) == [0.0, 1.0]  # seed 4: both kinds of batch
+    assert sorted(set(logged(proc.stdout + proc.stderr, "on_policy"))) == [0.0, 1.0]  # seed 4: both kinds of batch
 
 
 @pytest.mark.parametrize("flags, message", [

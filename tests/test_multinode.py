@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoModelForSequenceClassification
 
 import common
-from conftest import ROOT, run_script, weights
+from conftest import ROOT, max_diff, run_script, weights
 
 SFT = ["--max_samples", 128, "--train_batch_size", 32, "--micro_train_batch_size", 16, "--max_epochs", 1,
        "--zero_stage", 3, "--eval_generate_samples", 0]  # 4 steps
@@ -85,10 +85,6 @@ def roll_back(root, ckpt, to, critic=False):
                 if int(p.name[len("global_step"):]) > to:
                     shutil.rmtree(p)
             (d / "latest").write_text(f"global_step{to}")
-
-
-def max_diff(a, b):
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 CKPT = ["--logging_steps", 1, "--save_steps", 1, "--max_ckpt_num", 2]

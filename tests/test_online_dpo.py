@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ROOT, results, run_main, run_script, stock_accuracy, stock_eval_reward, weights
+from conftest import ROOT, logged, max_diff, results, run_main, run_script, stock_accuracy, stock_eval_reward, weights
 from test_dpo import BETA, naive_logps, one_line_error
 
 RECORDER = """
@@ -102,10 +102,6 @@ ONLINE = ["--max_samples", 64, "--num_episodes", 1, "--rollout_batch_size", 16, 
           "--micro_train_batch_size", 8, "--logging_steps", 1, "--generate_max_len", 6]  # 4 steps
 
 
-def logged(log, key):
-    return [float(line.split(f" {key}=")[1].split()[0]) for line in log.splitlines() if line.startswith("train step")]
-
-
 def test_online_hf_zero2_with_a_reward_model_and_resume(policy, reward_model, eval_file, tmp_path):
     flags = [*ONLINE, "--pretrain", policy, "--reward_pretrain", reward_model, "--eval_dataset", eval_file,
              "--non_stop_penalty", -5, "--max_epochs", 2, "--zero_stage", 2, "--ckpt_path", tmp_path / "ckpt"]
@@ -122,14 +118,14 @@ def test_online_hf_zero2_with_a_reward_model_and_resume(policy, reward_model, ev
     prompts = [json.loads(line)["input"] for line in open(eval_file)]
     assert res["eval_reward"] == pytest.approx(stock_eval_reward(tmp_path / "out", reward_model, prompts), abs=1e-4)
     before, after = weights(policy), weights(tmp_path / "out")
-    assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-4
+    assert max_diff(after, before) > 1e-4
 
     # resumed from step 2: the same prompts and samples from there on, so the same final weights
     shutil.rmtree(tmp_path / "ckpt" / "global_step4")
     (tmp_path / "ckpt" / "latest").write_text("global_step2")
     run_main("online_dpo.py", *flags, "--save_path", tmp_path / "resumed", "--load_checkpoint")
     resumed = weights(tmp_path / "resumed")
-    assert max((resumed[k] - after[k]).abs().max().item() for k in after) < 1e-6
+    assert max_diff(resumed, after) < 1e-6
 
 
 def test_online_vllm_with_a_reward_function(policy, eval_file, tmp_path):

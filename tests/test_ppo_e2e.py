@@ -7,7 +7,7 @@ import shutil
 import pytest
 from transformers import AutoModelForSequenceClassification
 
-from conftest import RewardServer, last_logged, results, run_main, run_script, stock_accuracy, weights
+from conftest import RewardServer, last_logged, max_diff, results, run_main, run_script, stock_accuracy, weights
 
 STEP = ["--max_samples", 64, "--rollout_batch_size", 16, "--train_batch_size", 16, "--micro_train_batch_size", 8,
         "--logging_steps", 1]  # 4 steps of 16 prompts
@@ -18,10 +18,6 @@ def reward_model(policy, tmp_path_factory):
     out = tmp_path_factory.mktemp("ppo") / "rm"
     run_main("rm.py", "--pretrain", policy, "--max_samples", 256, "--train_batch_size", 32, "--save_path", out)
     return out
-
-
-def max_diff(a, b):
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def test_ppo_zero0_reward_model_critic_and_resume(policy, reward_model, eval_file, tmp_path):

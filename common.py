@@ -11,6 +11,8 @@ which must precede DeepSpeed's import.
 import argparse
 import contextlib
 import ctypes
+import html
+import io
 import json
 import math
 import os
@@ -19,6 +21,7 @@ import resource
 import shutil
 import time
 import socket
+import sys
 import warnings
 from pathlib import Path
 
@@ -35,6 +38,8 @@ from rich.console import Console
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.checkpoint import checkpoint
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.text import Text
 
 console = Console(stderr=True, soft_wrap=True)  # log lines stay whole in files and CI
 
@@ -45,8 +50,33 @@ def fail(message):
 
 
 # ----------------------------------------------------------------------------------------------- args
+def ranged(kind, lo=-math.inf, hi=math.inf, lo_open=False, hi_open=False, also=()):
+    """An argparse `type=` for a number flag: parses `kind` (int or float) and refuses a value outside [lo, hi] (an end
+    excluded with lo_open / hi_open; an infinite end always is) unless it is one of `also`, the flag's sentinels (-1:
+    never). argparse then stops naming the flag, the value and the range: "argument --train_batch_size: 0 is outside
+    [1, inf)", "... -2 is outside [1, inf) or -1". NaN is outside every range."""
+    allowed = " or ".join([f"{'(' if lo_open or lo == -math.inf else '['}{lo:g}, "
+                           f"{hi:g}{')' if hi_open or hi == math.inf else ']'}", *map(str, also)])
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'} in "
+                                             f"{allowed}") from None
+        above = value > lo if lo_open or lo == -math.inf else value >= lo
+        below = value < hi if hi_open or hi == math.inf else value <= hi
+        if not (above and below) and value not in also:
+            raise argparse.ArgumentTypeError(f"{text} is outside {allowed}")
+        return value
+
+    return parse
+
+
 def add_common_args(p: argparse.ArgumentParser):
-    """Flags every training script shares (OpenRLHF's names). Scripts set their own defaults."""
+    """Flags every training script shares (OpenRLHF's names). Scripts set their own defaults. A bad command line
+    stops with one line (fail), not argparse's usage block."""
+    p.error = fail
     a = p.add_argument
     a("--pretrain", default=None, help="model: hub name or local path (default: the toy model)")
     a("--dataset", default=None, help="hub name, directory, or .json/.jsonl/.parquet/.csv file (default: toy)")
@@ -54,29 +84,29 @@ def add_common_args(p: argparse.ArgumentParser):
     a("--dataset_split", default="train")
     a("--eval_dataset", default=None, help="held-out data, same formats (default: toy test split)")
     a("--eval_split", default="test")
-    a("--max_samples", type=int, default=None, help="use at most this many training samples")
-    a("--max_len", type=int, default=512, help="truncate sequences to this many tokens")
+    a("--max_samples", type=ranged(int, 1), default=None, help="use at most this many training samples")
+    a("--max_len", type=ranged(int, 1), default=512, help="truncate sequences to this many tokens")
     a("--input_key", default="input")
     a("--apply_chat_template", action="store_true", help="wrap inputs with the tokenizer's chat template")
     a("--tokenizer_chat_template", default=None, help="a Jinja chat template (text or file) replacing the tokenizer's")
     a("--input_template", default=None, help='e.g. "User: {}\\nAssistant: "; ignored with the chat template')
     a("--packing_samples", action="store_true", help="concatenate a micro-batch into one row, no padding")
     a("--save_path", default=None, help="where the final Hugging Face directory goes (default: runs/<script>)")
-    a("--micro_train_batch_size", type=int, default=8, help="per-device batch of one forward/backward")
-    a("--train_batch_size", type=int, default=64, help="global batch of one optimizer step")
-    a("--max_epochs", type=int, default=1)
-    a("--learning_rate", type=float, default=1e-5)
-    a("--lr_warmup_ratio", type=float, default=0.03)
+    a("--micro_train_batch_size", type=ranged(int, 1), default=8, help="per-device batch of one forward/backward")
+    a("--train_batch_size", type=ranged(int, 1), default=64, help="global batch of one optimizer step")
+    a("--max_epochs", type=ranged(int, 1), default=1)
+    a("--learning_rate", type=ranged(float, 0), default=1e-5)  # 0: the run's weights stay as loaded
+    a("--lr_warmup_ratio", type=ranged(float, 0, 1), default=0.03)
     a("--lr_scheduler", default="cosine_with_min_lr", help="any transformers scheduler name")
-    a("--l2", type=float, default=0.0, help="AdamW weight decay")
-    a("--adam_betas", type=float, nargs=2, default=(0.9, 0.95))
-    a("--max_norm", type=float, default=1.0, help="gradient clipping")
+    a("--l2", type=ranged(float, 0), default=0.0, help="AdamW weight decay")
+    a("--adam_betas", type=ranged(float, 0, 1, hi_open=True), nargs=2, default=(0.9, 0.95))
+    a("--max_norm", type=ranged(float, 0), default=1.0, help="gradient clipping (0: none)")
     a("--seed", type=int, default=42)
     a("--overlap_comm", action="store_true", help="ZeRO: overlap gradient reduction with the backward pass")
     # LoRA / QLoRA (peft)
-    a("--lora_rank", type=int, default=0, help="train LoRA adapters of this rank, not the weights (0: off)")
-    a("--lora_alpha", type=int, default=16, help="LoRA scale: the update is alpha/rank * B A")
-    a("--lora_dropout", type=float, default=0.0)
+    a("--lora_rank", type=ranged(int, 0), default=0, help="train LoRA adapters of this rank, not the weights (0: off)")
+    a("--lora_alpha", type=ranged(int, 1), default=16, help="LoRA scale: the update is alpha/rank * B A")
+    a("--lora_dropout", type=ranged(float, 0, 1, hi_open=True), default=0.0)
     a("--target_modules", nargs="+", default=["all-linear"],
       help="layer names that get adapters (default: every linear layer but the output head)")
     a("--load_in_4bit", action="store_true", help="QLoRA: 4-bit base weights (bitsandbytes; CUDA GPU only)")
@@ -91,11 +121,12 @@ def add_common_args(p: argparse.ArgumentParser):
     a("--adam_offload", action="store_true", help="keep optimizer states on CPU (DeepSpeedCPUAdam)")
     a("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     # checkpoints and logging
-    a("--save_steps", type=int, default=-1, help="save a resumable checkpoint every N steps (-1: never)")
+    a("--save_steps", type=ranged(int, 1, also=[-1]), default=-1,
+      help="save a resumable checkpoint every N steps (-1: never)")
     a("--ckpt_path", default=None, help="resumable checkpoints (default: <save_path>_checkpoints)")
-    a("--max_ckpt_num", type=int, default=3, help="keep this many resumable checkpoints")
+    a("--max_ckpt_num", type=ranged(int, 1), default=3, help="keep this many resumable checkpoints")
     a("--load_checkpoint", action="store_true", help="resume from the latest checkpoint in --ckpt_path")
-    a("--logging_steps", type=int, default=10)
+    a("--logging_steps", type=ranged(int, 1), default=10)
     a("--use_tensorboard", default=None, metavar="DIR", help="also log to TensorBoard in DIR")
     a("--use_wandb", action="store_true", help="also log to Weights & Biases (WANDB_MODE=offline works)")
     a("--wandb_project", default="rlhf-minimal")
@@ -117,10 +148,17 @@ def parse_args(parser, defaults):
         import toy
         root = toy.ensure_toy_world()
         args.pretrain = args.pretrain or str(root / "model")
+    taken = []
     for flag, (real, toy_value) in defaults.items():
         if getattr(args, flag) is unset:
             value = toy_value if toy_run else real
             setattr(args, flag, value.replace("{toy}", str(root)) if toy_run and isinstance(value, str) else value)
+            taken += [] if getattr(args, flag) is None else [f"--{flag} {getattr(args, flag)}"]
+    if os.environ.get("RANK", "0") == "0":  # (before init_distributed: the launcher's RANK says who prints)
+        column = "the toy world's (no --dataset given" if toy_run else \
+            "a real run's (--dataset given; the toy world's apply only without one"
+        console.print(f"defaults: {column}; a flag you give wins): {' '.join(taken) or 'none left to fill'}",
+                      markup=False)
     if args.bf16:
         warn_if_slow_bf16()
     if args.load_in_4bit:
@@ -169,7 +207,8 @@ def init_distributed(args):
     if "RANK" not in os.environ:  # plain python: be rank 0 of 1 instead of falling back to MPI
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+    with announce_shm_build():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -179,6 +218,30 @@ def init_distributed(args):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size(dist.get_world_size())))
     set_seed(args.seed)
     return dist.get_rank(), dist.get_world_size()
+
+
+@contextlib.contextmanager
+def announce_shm_build():
+    """Around DeepSpeed's init_distributed on a CPU, which compiles its shared-memory all-reduce (deepspeed_shm_comm)
+    the first time (25-90 s; cached after in torch's extensions directory) and prints "... built successfully" with
+    print() on every start, where no logger level or setting reaches it: say what is built before a first build
+    (the node's first rank; the others wait on torch's lock), and drop that line from what the call prints."""
+    if torch.cuda.is_available() or not deepspeed.ops.__compatible_ops__.get("deepspeed_shm_comm", False):
+        yield  # nothing to build (GPU), or nothing DeepSpeed can build
+        return
+    from torch.utils.cpp_extension import _get_build_directory  # where torch's load() builds it: TORCH_EXTENSIONS_DIR
+
+    cache = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
+    if not (cache / "deepspeed_shm_comm.so").exists() and os.environ.get("LOCAL_RANK", "0") == "0":
+        console.print(f"compiling DeepSpeed's shared-memory communication op for this CPU: once, about a minute "
+                      f"(cached in {cache})", markup=False)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield
+    finally:
+        sys.stdout.write("".join(line for line in printed.getvalue().splitlines(keepends=True)
+                                 if "deepspeed_shm_comm_op built successfully" not in line))
 
 
 def keep_freed_memory():
@@ -296,10 +359,10 @@ def node_writer(args):
     return is_rank0()
 
 
-def setup_deepspeed(model, args, config, num_training_steps, learning_rate=None):
+def setup_deepspeed(model, args, config, num_training_steps, learning_rate=None, name=None):
     """AdamW (torch's fused kernel, CPU or GPU: no op to compile, and one pass over the states instead of one
     per operation) at `learning_rate` (default --learning_rate) + warm-up/decay schedule, wrapped by a DeepSpeed
-    engine."""
+    engine. `name` labels the line that says what it trains, where a script trains two models (ppo.py)."""
     params = [p for p in model.parameters() if p.requires_grad]
     lr = args.learning_rate if learning_rate is None else learning_rate
     if args.adam_offload:
@@ -318,7 +381,8 @@ def setup_deepspeed(model, args, config, num_training_steps, learning_rate=None)
         engine.enable_backward_allreduce = False  # one process: nothing to average; skips flattening every gradient
     if is_rank0():
         trained, total = trainable_share(model)
-        console.print(f"training {trained:,} of {total:,} parameters ({100 * trained / total:.2f}%)")
+        console.print(f"{name + ': ' if name else ''}training {trained:,} of {total:,} parameters "
+                      f"({100 * trained / total:.2f}%)")
     return engine
 
 
@@ -567,10 +631,17 @@ def trainable_share(model):
 
 
 def check_model_path(path):
-    """A local path that is missing fails here; anything shaped like a hub name ("org/name") is tried."""
-    p = str(path)
-    if not Path(p).expanduser().exists() and (p.startswith((".", "/", "~")) or p.count("/") > 1):
-        fail(f"model path not found: {path}")
+    """A missing local path fails here, before any hub request: one that starts with ".", "/" or "~", has more than
+    one "/", or whose first part is a directory here ("runs/sft_stepz" beside runs/). Anything else shaped like a
+    hub name ("org/name", "gpt2") is left to the hub."""
+    p = Path(str(path)).expanduser()
+    if p.exists():
+        return
+    if str(path).startswith((".", "/", "~")) or str(path).count("/") > 1:
+        fail(f"model path not found: no such directory {path}")
+    if len(p.parts) > 1 and p.parts[0] != "" and Path(p.parts[0]).is_dir():
+        fail(f"model path not found: no such directory {path} (a hub name would be org/name, but "
+             f"{p.parts[0]}/ is a directory here)")
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -871,11 +942,23 @@ def write_hf_dir(model, tokenizer, path, state=None, extra_config=None):
     if getattr(model, "_hf_peft_config_loaded", False) and extra_config:
         (tmp / "extra_config.json").write_text(json.dumps(extra_config, indent=2) + "\n")
     tokenizer.save_pretrained(tmp)
+    usual_modes(tmp)
     old = path.with_name(f".{path.name}.old-{os.getpid()}")
     if path.exists():
         path.rename(old)
     tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def usual_modes(directory):
+    """Every file under `directory` gets the mode a new file gets here (0666 less the umask, 0644 usually):
+    save_pretrained writes model.safetensors through a private temporary file (0600), which another user of a
+    shared filesystem could not load."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in Path(directory).rglob("*"):
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
 
 
 def save_checkpoint(engine, args, step, extra=None, others=None):
@@ -989,6 +1072,29 @@ class Logger:
         if self.wandb:
             self.wandb.log({f"{prefix}/{k}": v for k, v in metrics.items()}, step=step)
 
+    def log_samples(self, step, rows, prefix="eval", limit=400):
+        """Samples at `step` (rows: dicts with the same keys, of texts and numbers; rollout.eval_samples'): a table on
+        the console, a text over `limit` characters shown as its start and end, and the rows in full to TensorBoard
+        (text `{prefix}/samples`, a markdown table) and wandb (a Table)."""
+        if not self.rank0 or not rows:
+            return
+        texts = [[v if isinstance(v, str) else f"{v:.4g}" for v in row.values()] for row in rows]
+        table = Table(title=f"{prefix} samples, step {step}", show_lines=True)
+        for name in rows[0]:
+            table.add_column(name, overflow="fold")  # a long token is folded, not cut
+        for row in texts:  # as Text: brackets in a completion are not rich markup
+            table.add_row(*(Text(t if len(t) <= limit else f"{t[:limit // 2]} …[{len(t) - limit} more]… "
+                                                           f"{t[-(limit // 2):]}") for t in row))
+        self.progress.console.print(table)
+        if self.tb:  # escaped: markdown would take <|im_start|> for an HTML tag and | for a cell's end
+            cells = [list(rows[0]), ["---"] * len(rows[0]),
+                     *([html.escape(t).replace("|", "&#124;").replace("\n", "<br>") for t in row] for row in texts)]
+            self.tb.add_text(f"{prefix}/samples", "\n".join(f"| {' | '.join(line)} |" for line in cells), step)
+        if self.wandb:
+            import wandb
+            self.wandb.log({f"{prefix}/samples": wandb.Table(columns=list(rows[0]),
+                                                             data=[list(r.values()) for r in rows])}, step=step)
+
     def run_times(self, start):
         """The run's times for eval_results.json: train_time_s, steps, and each `timed` metric's mean per step run
         (generate_s -> generate_s_per_step)."""
@@ -1006,8 +1112,13 @@ class Logger:
 
 
 def log_eval(logger, step, metrics, results=None, suffix=""):
-    """Log eval metrics at `step`; with `results`, keep them there too, as eval_<name><suffix>."""
+    """Log eval metrics at `step` ({name: mean}, or rollout.evaluate's {"metrics": ..., "samples": rows}, whose rows
+    Logger.log_samples shows); with `results`, keep the metrics there too, as eval_<name><suffix>."""
+    samples = []
+    if "samples" in metrics:
+        metrics, samples = metrics["metrics"], metrics["samples"]
     logger.log(step, metrics, prefix="eval")
+    logger.log_samples(step, samples)
     if results is not None:
         results.update({f"eval_{k}{suffix}": v for k, v in metrics.items()})
 
@@ -1027,7 +1138,8 @@ def finish(engine, tokenizer, args, results, logger, extra_config=None, evaluate
     save_hf_model(engine, tokenizer, args.save_path, args, extra_config=extra_config)
     write_results(args.save_path, results)
     if is_rank0():
-        console.print(f"saved to {args.save_path}: {results}")
+        console.print(f"saved to {args.save_path}: " + " ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in results.items()), markup=False)
 
 
 def write_results(path, results):

@@ -143,17 +143,15 @@ def parse_args():
     a("--output_key", help="the dataset's completions: the off-policy share (--lmbda < 1), and eval's answers")
     a("--eval_reward_func", help="a reward_func .py file scoring eval completions (logged; toy: exact match)")
     a("--loss_type", default="gkd", choices=LOSS_TYPES)
-    a("--beta", type=float, default=0.5, help="gkd: 0 forward KL, 1 reverse KL, between: JSD(beta)")
-    a("--lmbda", type=float, default=0.5, help="the share of batches the student samples (on-policy)")
+    a("--beta", type=common.ranged(float, 0, 1), default=0.5,
+      help="gkd: 0 forward KL, 1 reverse KL, between: JSD(beta)")
+    a("--lmbda", type=common.ranged(float, 0, 1), default=0.5,
+      help="the share of batches the student samples (on-policy)")
     a("--seq_kd", action="store_true", help="the other batches: the teacher's samples, not the dataset's")
-    a("--eps_clip", type=float, default=0.2, help="sampled: the ratio's clip")
+    a("--eps_clip", type=common.ranged(float, 0), default=0.2, help="sampled: the ratio's clip")
     args = common.parse_args(parser, DEFAULTS)
     if not args.teacher_pretrain:
         common.fail("distill.py needs a teacher: --teacher_pretrain DIR (e.g. runs/sft)")
-    if not 0 <= args.lmbda <= 1:
-        common.fail(f"--lmbda {args.lmbda} must be in [0, 1] (the share of on-policy batches)")
-    if not 0 <= args.beta <= 1:
-        common.fail(f"--beta {args.beta} must be in [0, 1] (0 forward KL, 1 reverse KL)")
     if args.lmbda < 1 and not args.seq_kd and not args.output_key:
         common.fail(f"--lmbda {args.lmbda} takes some batches' completions from the dataset: name them with "
                     "--output_key (or --lmbda 1, or --seq_kd for the teacher's samples)")
@@ -161,8 +159,6 @@ def parse_args():
         common.fail("--seq_kd samples the off-policy batches from the teacher, and --lmbda 1 leaves none")
     if args.loss_type == "sampled" and args.lmbda < 1:
         common.fail("--loss_type sampled is a policy gradient on the student's own samples: it needs --lmbda 1")
-    if args.temperature <= 0:
-        common.fail("--temperature must be > 0 (it divides both distributions and samples the student)")
     if args.output_key and args.label_key not in (None, args.output_key):
         common.fail(f"--label_key {args.label_key} and --output_key {args.output_key}: distill.py reads one field, "
                     "the dataset's completion, which is also eval's answer")
@@ -201,7 +197,7 @@ def main():
 
     def evaluate():  # greedy completions of the eval prompts
         student.module.eval()
-        return rollout.evaluate(eval_prompts, engine, eval_metrics)
+        return rollout.evaluate(eval_prompts, engine, eval_metrics, tokenizer=tokenizer, log_samples=args.log_samples)
 
     timed = ("generate_s", "teacher_s", "train_s", "step_s")  # summed for eval_results.json
     logger, results = common.Logger(args, total_steps, start_step, timed), {}

@@ -297,12 +297,15 @@ def evaluate_pairs(model, reference, pairs, answers, tokenizer, args):
 def add_dpo_args(parser):
     """The objective's and the reference's flags, dpo.py's and online_dpo.py's."""
     a = parser.add_argument
-    a("--beta", type=float, default=0.1, help="the KL strength: implicit reward = beta * (log pi - log pi_ref)")
+    a("--beta", type=common.ranged(float, 0, lo_open=True), default=0.1,
+      help="the KL strength: implicit reward = beta * (log pi - log pi_ref)")
     a("--loss_type", default="sigmoid", choices=LOSS_TYPES, help="sigmoid (DPO), ipo or hinge (SLiC)")
     a("--ipo", action="store_true", help="same as --loss_type ipo (OpenRLHF's flag)")
-    a("--label_smoothing", type=float, default=0.0, help="conservative DPO: the chance a label is wrong (sigmoid)")
-    a("--nll_loss_coef", type=float, default=0.0, help="weight of an SFT term: the chosen's per-token NLL")
-    a("--aux_loss_coef", type=float, default=0.0, help="MoE router load-balancing loss weight")
+    a("--label_smoothing", type=common.ranged(float, 0, 0.5, hi_open=True), default=0.0,
+      help="conservative DPO: the chance a label is wrong (sigmoid)")
+    a("--nll_loss_coef", type=common.ranged(float, 0), default=0.0,
+      help="weight of an SFT term: the chosen's per-token NLL")
+    a("--aux_loss_coef", type=common.ranged(float, 0), default=0.0, help="MoE router load-balancing loss weight")
     a("--ref_pretrain", default=None, help="the reference (default: --pretrain; with --lora_rank the base model)")
     a("--ref_offload", action="store_true", help="keep the reference on the CPU between uses")
 
@@ -312,12 +315,8 @@ def check_dpo_args(args):
         if args.loss_type not in ("sigmoid", "ipo"):
             common.fail(f"--ipo is --loss_type ipo: not with --loss_type {args.loss_type}")
         args.loss_type = "ipo"
-    if args.beta <= 0:
-        common.fail("--beta must be > 0")
     if args.label_smoothing and args.loss_type != "sigmoid":
         common.fail(f"--label_smoothing is conservative DPO's (--loss_type sigmoid), not {args.loss_type}'s")
-    if not 0 <= args.label_smoothing < 0.5:
-        common.fail("--label_smoothing is the chance a label is wrong: in [0, 0.5)")
     if args.ref_offload and args.lora_rank and not args.ref_pretrain:
         common.fail("--ref_offload: with --lora_rank the reference is the policy's base (adapters off), no copy to "
                     "offload; drop it, or give --ref_pretrain")
@@ -354,9 +353,11 @@ def parse_args():
     a = parser.add_argument
     a("--chosen_key", default="chosen")
     a("--rejected_key", default="rejected")
-    a("--eval_generate_samples", type=int, help="greedy-generate this many eval prompts, exact match with the chosen")
-    a("--generate_max_len", type=int, help="new tokens of an eval answer")
-    a("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: before and after training only)")
+    a("--eval_generate_samples", type=common.ranged(int, 0),
+      help="greedy-generate this many eval prompts, exact match with the chosen")
+    a("--generate_max_len", type=common.ranged(int, 1), help="new tokens of an eval answer")
+    a("--eval_steps", type=common.ranged(int, 1, also=[-1]), default=-1,
+      help="evaluate every N steps (-1: before and after training only)")
     a("--online", action="store_true", help=argparse.SUPPRESS)  # moved to online_dpo.py: one line saying so
     known, _ = parser.parse_known_args()  # before the full parse, which would refuse online_dpo.py's flags
     if known.online:
@@ -376,7 +377,7 @@ def main():
     eval_pairs, eval_answers = load_pairs(args.eval_dataset, args.eval_split, tokenizer, args) \
         if args.eval_dataset else ([], [])
     if len(train) < args.train_batch_size:
-        common.fail(f"{args.dataset}: {len(train)} pairs, fewer than --train_batch_size")
+        common.fail(f"{args.dataset}: {len(train)} pairs, fewer than --train_batch_size {args.train_batch_size}")
     total_steps = len(train) // args.train_batch_size * args.max_epochs  # a step: one optimizer step
     cfg = common.ds_config(args)
     model = common.load_model(args.pretrain, args, tokenizer, cfg)

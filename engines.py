@@ -6,6 +6,7 @@ make_pairs.py where --vllm is given; importing it only defines things."""
 
 import argparse
 import contextlib
+import logging
 import os
 import queue
 import signal
@@ -34,8 +35,6 @@ def start(args, model, tokenizer, version):
 
 def check_options(args):
     """--vllm / --ray: the options that only make sense together (rollout.check_engine_options calls this)."""
-    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
-        fail(f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization}: a share of the GPU, in (0, 1]")
     if args.ray and args.vllm_tensor_parallel_size > 1:  # the actor receiving the broadcast needs a GPU of its own
         fail("--ray engines have one GPU each (--vllm_tensor_parallel_size 1): more engines, or --vllm with "
              "tensor parallelism")
@@ -121,8 +120,9 @@ class VLLMHost:
 
     def load_weights(self, named_tensors):
         """(name, full tensor) pairs in the checkpoint's names; the cached KV of old prompts is dropped."""
-        self.llm.collective_rpc("reload_weights",
-                                kwargs=dict(weights_iterator=iter(named_tensors), is_checkpoint_format=True))
+        with expected_reload_warnings_dropped(self.tied):
+            self.llm.collective_rpc("reload_weights",
+                                    kwargs=dict(weights_iterator=iter(named_tensors), is_checkpoint_format=True))
         if self.tied and not torch.cuda.is_available():
             self.llm.collective_rpc(_repack_lm_head)
         self.llm.reset_prefix_cache()
@@ -164,6 +164,26 @@ class VLLMEngine(VLLMHost):
     def sync(self, model, version=0):
         self.load_weights(merged_weights(model, self.args.zero_stage == 3))
         self.version = version
+
+
+@contextlib.contextmanager
+def expected_reload_warnings_dropped(tied):
+    """vLLM's reload_weights warns "<layer class>: Failed to load weights" for each layer that got no tensor, at every
+    sync. Two get none by design: a rotary embedding (its cos/sin cache is computed, in no checkpoint) and, with tied
+    embeddings, the lm_head (the embedding's tensor is its weight; _repack_lm_head refreshes it on a CPU). Those two
+    lines are dropped while the weights load; any other layer that loads nothing (a weight the engine never got, an
+    untied head among them) still warns."""
+    def keep(record):
+        layer = record.args[0] if isinstance(record.args, tuple) and record.args else ""
+        return not (record.msg == "%s: Failed to load weights" and (
+            str(layer).endswith("RotaryEmbedding") or tied and layer == "ParallelLMHead"))
+
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def _repack_lm_head(worker):

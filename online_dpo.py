@@ -72,8 +72,6 @@ def parse_args():
     if (args.remote_rm_url is None) == (args.reward_pretrain is None):
         common.fail("online DPO ranks each prompt's two samples by a reward: give exactly one of --reward_pretrain "
                     "or --remote_rm_url (URL or .py file)")
-    if args.temperature <= 0:
-        common.fail("--temperature must be > 0: two greedy completions of a prompt are the same (a tie)")
     rollout.check_engine_options(args)
     return args
 
@@ -103,9 +101,11 @@ def main():
 
     def evaluate():  # a greedy completion of each eval prompt: the reward's mean, --eval_reward_func's (toy: accuracy)
         actor.module.eval()
-        return rollout.evaluate(eval_prompts, engine, rollout.eval_rewards(reward_fn, eval_fn, tokenizer))
+        return rollout.evaluate(eval_prompts, engine, rollout.eval_rewards(reward_fn, eval_fn, tokenizer),
+                                tokenizer=tokenizer, log_samples=args.log_samples)
 
-    timed = ("generate_s", "reward_s", "ref_s", "train_s", "sync_s", "step_s")  # summed for eval_results.json
+    timed = ("generate_s", "reward_s", "ref_s", "train_s", *(("sync_s",) if args.vllm or args.ray else ()),
+             "step_s")  # summed for eval_results.json
     logger, results = common.Logger(args, total_steps, start_step, timed), {}
     if eval_prompts:
         common.log_eval(logger, start_step, evaluate(), results, "_before")
@@ -139,7 +139,8 @@ def main():
         # 4. weight sync: the rollout engines sample with the updated policy from the next step on
         t = time.time()
         engine.sync(actor.module, version=step + 1)
-        metrics["sync_s"] = time.time() - t
+        if args.vllm or args.ray:  # (HF generate samples from the trained weights themselves: nothing to time)
+            metrics["sync_s"] = time.time() - t
 
         # 5. log (means over all ranks; open-instruct's names), save, eval
         metrics["step_s"] = time.time() - step_start

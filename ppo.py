@@ -156,7 +156,8 @@ def load_critic(path, args, tokenizer, cfg, num_training_steps):
                               num_labels=1)
     common.disable_dropout(model)
     init_value_head(model, path, args)
-    return common.setup_deepspeed(model, args, cfg, num_training_steps, learning_rate=args.critic_learning_rate)
+    return common.setup_deepspeed(model, args, cfg, num_training_steps, learning_rate=args.critic_learning_rate,
+                                  name="critic")
 
 
 # The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
@@ -187,24 +188,30 @@ def parse_args():
     a("--critic_pretrain", default=None, help="critic start (default: the reward model, else the actor)")
     a("--eval_reward_func", help="a reward_func .py file scoring eval completions only (logged)")
     a("--normalize_reward", action="store_true", help="(r - mean) / std with the RM config's mean and std")
-    a("--reward_clip_range", type=float, nargs=2, default=(-10.0, 10.0), metavar=("LO", "HI"))
+    a("--reward_clip_range", type=common.ranged(float), nargs=2, default=(-10.0, 10.0), metavar=("LO", "HI"))
     a("--ref_reward_offload", action="store_true", help="keep the frozen models on the CPU between uses")
     # objective
-    a("--init_kl_coef", type=float, default=0.01, help="KL penalty per token in the reward (0: no reference)")
+    a("--init_kl_coef", type=common.ranged(float, 0), default=0.01,
+      help="KL penalty per token in the reward (0: no reference)")
     a("--kl_estimator", default="k1", choices=("k1", "k2", "k3"))
-    a("--kl_target", type=float, default=None, help="adaptive KL: the KL per sequence to steer toward")
-    a("--kl_horizon", type=int, default=10000, help="adaptive KL: samples over which the coefficient adapts")
-    a("--gamma", type=float, default=1.0)
-    a("--lambd", type=float, default=0.95, help="GAE lambda")
+    a("--kl_target", type=common.ranged(float, 0, lo_open=True), default=None,
+      help="adaptive KL: the KL per sequence to steer toward")
+    a("--kl_horizon", type=common.ranged(int, 1), default=10000,
+      help="adaptive KL: samples over which the coefficient adapts")
+    a("--gamma", type=common.ranged(float, 0, 1), default=1.0)
+    a("--lambd", type=common.ranged(float, 0, 1), default=0.95, help="GAE lambda")
     a("--no_advantage_std_norm", action="store_true", help="center advantages without dividing by their std")
-    a("--eps_clip", type=float, default=0.2)
-    a("--dual_clip", type=float, default=None, help="cap the loss of negative advantages at dual_clip * |A| (> 1)")
-    a("--value_clip", type=float, default=0.2)
-    a("--entropy_loss_coef", type=float, default=0.0, help="entropy bonus (0: off)")
-    a("--aux_loss_coef", type=float, default=0.0, help="MoE router load-balancing loss weight (actor)")
-    a("--actor_learning_rate", dest="learning_rate", type=float, help="same as --learning_rate")
-    a("--critic_learning_rate", type=float)
-    a("--freezing_actor_steps", type=int, default=0, help="train only the critic for the first N steps")
+    a("--eps_clip", type=common.ranged(float, 0), default=0.2)
+    a("--dual_clip", type=common.ranged(float, 1, lo_open=True), default=None,
+      help="cap the loss of negative advantages at dual_clip * |A| (> 1)")
+    a("--value_clip", type=common.ranged(float, 0), default=0.2)
+    a("--entropy_loss_coef", type=common.ranged(float, 0), default=0.0, help="entropy bonus (0: off)")
+    a("--aux_loss_coef", type=common.ranged(float, 0), default=0.0,
+      help="MoE router load-balancing loss weight (actor)")
+    a("--actor_learning_rate", dest="learning_rate", type=common.ranged(float, 0), help="same as --learning_rate")
+    a("--critic_learning_rate", type=common.ranged(float, 0))
+    a("--freezing_actor_steps", type=common.ranged(int, 0), default=0,
+      help="train only the critic for the first N steps")
     a("--save_value_network", action="store_true", help="also save the critic, to <save_path>_critic")
     args = common.parse_args(parser, DEFAULTS)
     if args.agent_func_path and args.eval_reward_func == rollout.TOY_REWARD:
@@ -212,8 +219,6 @@ def parse_args():
     rollout.check_one_reward(args)
     if args.normalize_reward and not args.reward_pretrain:
         common.fail("--normalize_reward reads mean/std from the reward model's config: it needs --reward_pretrain")
-    if args.dual_clip is not None and args.dual_clip <= 1:
-        common.fail("--dual_clip must be > 1")
     rollout.check_rl_options(args)
     return args
 
@@ -233,7 +238,7 @@ def main():
     model = common.load_model(args.pretrain, args, tokenizer, cfg)
     common.enable_router_loss(model, args.aux_loss_coef)
     common.disable_dropout(model)
-    actor = common.setup_deepspeed(model, args, cfg, updates)
+    actor = common.setup_deepspeed(model, args, cfg, updates, name="actor")
     critic = load_critic(args.critic_pretrain or args.reward_pretrain or args.pretrain, args, tokenizer, cfg, updates)
     offload = args.ref_reward_offload  # whole frozen models on the CPU (partitions under ZeRO-3), moved for each use
     ref = common.load_frozen(args.pretrain, args, tokenizer, cfg, offload) if args.init_kl_coef > 0 else None
@@ -253,9 +258,11 @@ def main():
         actor.module.eval()
         return rollout.evaluate(eval_prompts, engine, rollout.eval_rewards(reward_fn, eval_fn, tokenizer),
                                 args.eval_n_samples_per_prompt, args.eval_temperature,
-                                pass_key="rule_reward" if eval_fn else "reward")
+                                pass_key="rule_reward" if eval_fn else "reward", tokenizer=tokenizer,
+                                log_samples=args.log_samples)
 
-    timed = ("generate_s", "wait_s", "forward_s", "train_s", "sync_s", "step_s")  # summed for eval_results.json
+    timed = ("generate_s", "wait_s", "forward_s", "train_s", *(("sync_s",) if args.vllm or args.ray else ()),
+             "step_s")  # summed for eval_results.json
     logger, results = common.Logger(args, total_steps, start_step, timed), {}
     if eval_prompts:
         common.log_eval(logger, start_step, evaluate(), results, "_before")
@@ -340,7 +347,8 @@ def main():
         if train_actor:
             engine.sync(actor.module, version=actor_version(step + 1))
         release()  # --async_steps: the batch sampled from here on may use these weights
-        metrics["sync_s"] = time.time() - t
+        if args.vllm or args.ray:  # (HF generate samples from the trained weights themselves: nothing to time)
+            metrics["sync_s"] = time.time() - t
 
         # 5. log (means over all ranks), adaptive KL, save, eval
         metrics["step_s"] = time.time() - step_start  # rollout (or waiting for it), update, sync

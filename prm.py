@@ -150,6 +150,18 @@ def steps_of(text, separator):
     return steps or [len(pieces) - 1], pieces
 
 
+def completion_text(text, tokenizer):
+    """What the step contract reads of a completion: its text decoded with the special tokens kept (as a /get_reward
+    query carries it), every special token's text removed. A BOS or EOS the policy wrote inside a completion, its
+    stop token and pads are no step: the trainer (process_rewards.step_ends), a local PRM judge and serve_rm.py all
+    read the steps of this text, so they count the same steps."""
+    specials = set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()
+                                                    if t.special}
+    for token in sorted(specials, key=len, reverse=True):  # "<|im_end|>" before a shorter token inside it
+        text = text.replace(token, "")
+    return text
+
+
 def with_placeholders(text, separator, placeholder):
     """A solution written as this script's data has it: the placeholder after every step ("07+45=52 ки\n..."). One
     the text holds already (a policy may write it) is dropped, as it would read as one more step end; the steps are
@@ -251,8 +263,10 @@ def main():
     parser.add_argument("--label_key", default="label")
     parser.add_argument("--placeholder_token", default="ки", help="marks the end of every step in the input")
     parser.add_argument("--reward_tokens", nargs="+", default=["+", "-"], help="good first, then bad")
-    parser.add_argument("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: at the end)")
-    parser.add_argument("--aux_loss_coef", type=float, default=0.0, help="MoE router load-balancing loss weight")
+    parser.add_argument("--eval_steps", type=common.ranged(int, 1, also=[-1]), default=-1,
+                        help="evaluate every N steps (-1: at the end)")
+    parser.add_argument("--aux_loss_coef", type=common.ranged(float, 0), default=0.0,
+                        help="MoE router load-balancing loss weight")
     args = common.parse_args(parser, DEFAULTS)
     common.init_distributed(args)
     start = time.time()
@@ -275,7 +289,8 @@ def main():
 
     train = tokenize(args.dataset, args.dataset_split, args.max_samples, args.dataset_probs)
     if len(train) < args.train_batch_size:
-        common.fail(f"{args.dataset}: {len(train)} usable samples, fewer than --train_batch_size")
+        common.fail(f"{args.dataset}: {len(train)} usable samples, fewer than --train_batch_size "
+                    f"{args.train_batch_size}")
     eval_data = tokenize(args.eval_dataset, args.eval_split) if args.eval_dataset else []
 
     cfg = common.ds_config(args)

@@ -1,13 +1,14 @@
 """Process rewards: a step-by-step judge's scores as dense rewards in grpo.py and ppo.py (--process_rewards), and a
 process reward model (prm.py's output) as a reward source at all (--reward_pretrain runs/prm). Imported only then.
 
-The step contract. A completion's steps are the pieces of its text (decoded without special tokens) between
-occurrences of --step_separator (default a newline), empty or blank pieces not counted; a completion in which the
-separator never occurs (or with no text at all) is one step. A step ends at the completion token whose text
-completes the separator after it (byte-level BPE may merge the separator with its neighbours: the token that holds
-its last character), the last step at the completion's last token (its EOS, or the token where --generate_max_len
-cut it). Steps that end in the same token (a step shorter than a token) count as one there, with the last one's
-score.
+The step contract. A completion's steps are the pieces of its text (prm.completion_text: decoded, the special tokens'
+text removed; serve_rm.py reads a query's completion by the same function) between occurrences of --step_separator
+(default a newline), empty or blank pieces not counted; a completion in which the separator never occurs (or with no
+text at all) is one step. A placeholder the policy wrote is text like any other here (a judge drops it before adding
+its own). A step ends at the completion token whose text completes the separator after it (byte-level BPE may merge
+the separator with its neighbours: the token that holds its last character), the last step at the completion's last
+token (its EOS, or the token where --generate_max_len cut it). Steps that end in the same token (a step shorter than a
+token) count as one there, with the last one's score.
 
 A reward source gives one score per step next to the per-sample reward:
     {"rewards": [...], "step_rewards": [[score of step 1, step 2, ...], ...]}
@@ -37,7 +38,7 @@ def step_ends(response, tokenizer, separator):
     """The index of the token ending each step of one completion (response: its token ids, [R]), by the contract
     above. The text of the first k tokens is a prefix of the whole text, so the separators it holds only grow with k:
     each separator's token is found by bisection, about log2(R) decodes a step."""
-    decode = lambda k: tokenizer.decode(response[:k], skip_special_tokens=True)  # noqa: E731
+    decode = lambda k: prm.completion_text(tokenizer.decode(response[:k]), tokenizer)  # noqa: E731
     steps, _ = prm.steps_of(decode(len(response)), separator)
     ends, lo = [], 0
     for i in steps[:-1]:  # piece i ends at separator i + 1
@@ -101,9 +102,9 @@ def reward_fn(args, tokenizer, cfg, client, offload=False):
     --prm_reduce, min by default) with or without --remote_rm_url (then that is the outcome reward), or --remote_rm_url
     alone sending step_rewards."""
     judge = load_prm(args, cfg, offload) if args.reward_pretrain else None
-    steps_client = None if judge else rollout.reward_client(args.remote_rm_url, args.remote_rm_batch_size,
-                                                           args.remote_rm_timeout, args.remote_rm_retries,
-                                                           parse=parse_with_steps)
+    steps_client = None if judge else rollout.reward_client(
+        args.remote_rm_url, args.remote_rm_batch_size, args.remote_rm_timeout, args.remote_rm_retries,
+        parse=parse_with_steps, retry_wait=args.remote_rm_retry_wait)
     # (make_pairs.py has none of these flags: a PRM judges its samples by the min over newline-separated steps)
     process, warned = getattr(args, "process_rewards", False), []
     separator, reduce = getattr(args, "step_separator", "\n"), prm.REDUCE[getattr(args, "prm_reduce", "min")]
@@ -137,7 +138,7 @@ def prm_step_scores(model, prm_tokenizer, batch, tokenizer, separator, chunk_siz
     placeholder after each step, tokenized by the PRM's tokenizer as prm.py tokenizes its data."""
     seqs = []
     for prompt, response in batch.pairs():
-        text = prm.with_placeholders(tokenizer.decode(response, skip_special_tokens=True), separator,
+        text = prm.with_placeholders(prm.completion_text(tokenizer.decode(response), tokenizer), separator,
                                      model.config.placeholder_token)
         ids = prm_tokenizer(text, add_special_tokens=False)["input_ids"]
         seqs.append(torch.cat([prompt, torch.tensor(ids, dtype=prompt.dtype)]))

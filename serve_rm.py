@@ -4,8 +4,10 @@
     python serve_rm.py --reward_pretrain runs/prm --rm_type prm --prm_reduce min
     RM_API_KEY=secret python serve_rm.py --reward_pretrain ckpt/rm --host 0.0.0.0 --bf16 --max_len 4096
 
-    curl -s 127.0.0.1:5000/get_reward -d '{"query": ["07+45=52"]}'
+    curl -s 127.0.0.1:5000/get_reward -d '{"query": ["<s>07+45=52</s>"], "prompts": ["<s>07+45="]}'
     -> {"rewards": [1.23], "scores": [1.23], "extra_logs": {"dummy_scores": [1.23]}}
+    (a query as an RL trainer sends it: prompt + completion decoded with their special tokens, the tokenizer's BOS
+    first; the server adds none, so a text without it is not what the model was trained on)
 
 API
   POST /get_reward  {"query": [str, ...], "prompts": [...]?, "labels": [...]?}  (what OpenRLHF's trainer
@@ -26,9 +28,10 @@ Reward kinds (--rm_type):
                    mean/std in its config
   causal_lm_token  a causal LM's logit of --reward_token_id at the position after the query
   prm              a prm.py model: P(first reward token) at every step placeholder, reduced per query
-                   with --prm_reduce min|last|mean; a query sent without placeholders (an RL trainer's) gets one
-                   after each step of its completion (the text after its "prompts" entry; steps end at
-                   --step_separator), as prm.py's data has them
+                   with --prm_reduce min|last|mean. An RL trainer's query (with its "prompts" entry) gets one
+                   after each step of its completion (the text after the prompt, special tokens removed; steps
+                   end at --step_separator), the steps the trainer counts (process_rewards.py's contract); a
+                   query without a prompt that holds placeholders is prm.py's data form, scored as sent
 
 What is scored (seq_cls), so that rm.py's models score as they were trained and OpenRLHF's trainer gets
 what OpenRLHF's own serve_rm gives it:
@@ -134,14 +137,15 @@ def strip_ends(text, tokenizer):
 
 
 def prm_query(query, prompt, tokenizer, placeholder, separator):
-    """prm: a query sent without any placeholder (an RL trainer's prompt + completion) gets one after each step of
-    its completion, the part after its entry in "prompts" (else the whole query), as prm.py's data has them; its end
-    pads/eos are dropped first. A query with placeholders is scored as sent."""
-    if placeholder in query:
+    """prm: an RL trainer's query, prompt + completion with its entry in "prompts", gets the placeholder after each
+    step of its completion (the text after the prompt), as prm.py's data has them, by the trainer's own rule
+    (prm.completion_text: special tokens' text removed, the EOS and pads with it; a placeholder the policy wrote
+    dropped). A query without a prompt is all completion, unless it holds placeholders already: then it is prm.py's
+    own data form, scored as sent."""
+    if prompt is None and placeholder in query:
         return query
-    query = strip_ends(query, tokenizer)
     head = prompt if prompt and query.startswith(prompt) else ""
-    return head + prm.with_placeholders(query[len(head):], separator, placeholder)
+    return head + prm.with_placeholders(prm.completion_text(query[len(head):], tokenizer), separator, placeholder)
 
 
 def tokenize(text, tokenizer, args):
@@ -355,26 +359,29 @@ def create_app(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.error = common.fail  # one line, not the usage block
     a = p.add_argument
     a("--reward_pretrain", required=True, help="the reward model: a local directory or a hub name")
     a("--rm_type", default="seq_cls", choices=("seq_cls", "causal_lm_token", "prm"))
-    a("--reward_token_id", type=int, default=None, help="causal_lm_token: the token whose logit is the reward")
+    a("--reward_token_id", type=common.ranged(int, 0), default=None,
+      help="causal_lm_token: the token whose logit is the reward")
     a("--prm_reduce", default="min", choices=("min", "last", "mean"), help="prm: one reward from the steps")
     a("--step_separator", default="\n", help="prm: what ends a step of a query sent without placeholders")
     a("--normalize_reward", action="store_true", help="seq_cls: (r - mean) / std with the config's mean/std")
-    a("--max_len", type=int, default=2048, help="longest sequence scored (longer ones are truncated)")
+    a("--max_len", type=common.ranged(int, 1), default=2048, help="longest sequence scored (longer ones are truncated)")
     a("--bf16", action="store_true")
     a("--flash_attn", action="store_true")
     a("--load_in_4bit", action="store_true", help="bitsandbytes 4-bit weights (GPU)")
     a("--trust_remote_code", action="store_true")
     a("--host", default="127.0.0.1", help="0.0.0.0 to accept other machines (set --api_key then)")
-    a("--port", type=int, default=5000)
+    a("--port", type=common.ranged(int, 0, 65535), default=5000)
     a("--api_key", default=os.environ.get("RM_API_KEY"), help="require 'Authorization: Bearer KEY' (or $RM_API_KEY)")
-    a("--max_batch_tokens", type=int, default=None,
+    a("--max_batch_tokens", type=common.ranged(int, 1), default=None,
       help="padded tokens per forward (default 16384 on GPU; 2048 on CPU, where big batches ran slower)")
-    a("--max_wait_ms", type=float, default=5.0, help="how long the worker waits for more requests to batch")
-    a("--max_body_mb", type=float, default=16.0)
-    a("--max_texts", type=int, default=4096, help="texts per request")
+    a("--max_wait_ms", type=common.ranged(float, 0), default=5.0,
+      help="how long the worker waits for more requests to batch")
+    a("--max_body_mb", type=common.ranged(float, 0, lo_open=True), default=16.0)
+    a("--max_texts", type=common.ranged(int, 1), default=4096, help="texts per request")
     a("--log_requests", action="store_true", help="log request texts and the access log (off: nothing of them)")
     common.quiet_libraries()
     args = p.parse_args()

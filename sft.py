@@ -151,12 +151,14 @@ def main():
     parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     parser.add_argument("--output_key", default="output")
     parser.add_argument("--multiturn", action="store_true", help="train on every assistant turn of `input`")
-    parser.add_argument("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: at the end)")
-    parser.add_argument("--eval_generate_samples", type=int,
+    parser.add_argument("--eval_steps", type=common.ranged(int, 1, also=[-1]), default=-1,
+                        help="evaluate every N steps (-1: at the end)")
+    parser.add_argument("--eval_generate_samples", type=common.ranged(int, 0),
                         help="greedy-generate this many eval prompts and report exact match (not in --pretrain_mode)")
     parser.add_argument("--pretrain_mode", action="store_true", help="plain text, loss on every token")
-    parser.add_argument("--aux_loss_coef", type=float, default=0.0, help="MoE router load-balancing loss weight")
-    parser.add_argument("--generate_max_len", type=int, help="new tokens for eval generation")
+    parser.add_argument("--aux_loss_coef", type=common.ranged(float, 0), default=0.0,
+                        help="MoE router load-balancing loss weight")
+    parser.add_argument("--generate_max_len", type=common.ranged(int, 1), help="new tokens for eval generation")
     args = common.parse_args(parser, DEFAULTS)
     if args.pretrain_mode and (args.apply_chat_template or args.multiturn):
         common.fail("--pretrain_mode trains on raw text: it does not combine with --apply_chat_template or --multiturn")
@@ -174,9 +176,11 @@ def main():
                                   seed=args.seed, hint=hint)
     train = [s for s in (tokenize_sample(r, tokenizer, args) for r in records) if s is not None]
     if len(train) < len(records) and common.is_rank0():
-        common.console.print(f"dropped {len(records) - len(train)} samples whose prompt exceeds --max_len")
+        common.console.print(f"dropped {len(records) - len(train)} samples whose prompt exceeds --max_len "
+                             f"{args.max_len}")
     if len(train) < args.train_batch_size:
-        common.fail(f"{args.dataset}: {len(train)} usable samples, fewer than --train_batch_size")
+        common.fail(f"{args.dataset}: {len(train)} usable samples, fewer than --train_batch_size "
+                    f"{args.train_batch_size}")
     eval_records = common.load_records(args.eval_dataset, args.eval_split, keys, hint=hint) if args.eval_dataset else []
     eval_data = [s for s in (tokenize_sample(r, tokenizer, args) for r in eval_records) if s is not None]
 

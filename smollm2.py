@@ -67,6 +67,11 @@ def ensure_smollm2(out=OUT):
             same = torch.equal(AutoModelForCausalLM.from_pretrained(tmp)(ids).logits, quantized.eval()(ids).logits)
         if not same:
             sys.exit("smollm2: the saved model's logits differ from the GGUF model's")
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.rglob("*"):  # the usual modes: save_pretrained writes its weights 0600
+            if f.is_file():
+                f.chmod(0o666 & ~umask)
         try:
             os.rename(tmp, out)
         except OSError:  # another process finished first; its model is the same

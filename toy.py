@@ -78,6 +78,8 @@ def build_model(tokenizer, seed=0, layers=4):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if not torch.cuda.is_available():  # save_pretrained imports DeepSpeed: its CPU accelerator, named (as in common.py)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # rather than guessed with a warning
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True,
@@ -214,6 +216,11 @@ def ensure_toy_world(path=TOY_DIR):
             with open(tmp / f"{name}.jsonl", "w") as f:
                 f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         (tmp / "VERSION").write_text(VERSION)
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.rglob("*"):  # the usual modes: save_pretrained writes its weights 0600
+            if f.is_file():
+                f.chmod(0o666 & ~umask)
         if path.exists() and not is_current(path):
             shutil.rmtree(path, ignore_errors=True)  # a stale or half-written world
         try:

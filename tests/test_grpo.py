@@ -244,10 +244,25 @@ def test_http_rewards_never_answering_fails_loudly():
     server = RewardServer(hang=True)
     try:
         t = time.time()
-        with pytest.raises(SystemExit, match=r"failed 3 times; last error: .*Timeout") as e:
+        with pytest.raises(SystemExit, match=r"failed 3 times in .* s, 0.15 s of it waiting between tries "
+                                             r".*; last error: .*Timeout") as e:
             rollout.reward_client(server.url, timeout=0.3, retries=2, backoff=0.05)(["a"], ["p"], [None])
         assert server.url in str(e.value) and len(server.requests) == 3
         assert time.time() - t < 3
+    finally:
+        server.close()
+
+
+def test_http_rewards_retry_for_the_wait_budget_with_capped_backoff():
+    """A server down longer than the retries' waits: backoff 0.05, 0.1, 0.2, 0.4, then 0.5 (10x the first) each, until
+    the next wait would pass retry_wait 2 s: 0.05 + 0.1 + 0.2 + 0.4 + 0.5 + 0.5 = 1.75 s over 7 tries."""
+    server = RewardServer(fail_first=100)
+    try:
+        t = time.time()
+        with pytest.raises(SystemExit, match=r"failed 7 times in [\d.]+ s, 1.75 s of it waiting between tries "
+                                             r"\(--remote_rm_retries 50, --remote_rm_retry_wait 2\)"):
+            rollout.reward_client(server.url, timeout=5, retries=50, backoff=0.05, retry_wait=2)(["a"], ["p"], [None])
+        assert len(server.requests) == 7 and 1.75 <= time.time() - t < 10
     finally:
         server.close()
 

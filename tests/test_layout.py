@@ -61,3 +61,10 @@ def test_a_flag_loads_its_module(toy_world, tmp_path):
     out = loaded("sft.py", "--max_samples", 64, "--max_epochs", 1, "--packing_samples", "--lora_rank", 4,
                  "--save_path", tmp_path / "run", cwd=tmp_path)
     assert out == "loaded:packing,lora"
+
+
+def test_generated_files_are_ignored_by_git():
+    """What running the scripts leaves in a checkout (the toy world's lock beside it, runs/, models/) is ignored."""
+    paths = [".toy_world.lock", "toy_world/VERSION", "runs/sft/model.safetensors", "models/x", ".venv/x"]
+    ignored = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert ignored == paths

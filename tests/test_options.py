@@ -34,7 +34,7 @@ ONLY = {"--pretrain_mode": ("sft.py",),
                                               "--no_advantage_std_norm", "--entropy_loss_coef", "--rollout_correction",
                                               "--rollout_correction_bounds", "--async_steps")},
         **{o: ("ppo.py", "grpo.py", "online_dpo.py", "distill.py")
-           for o in ("--enable_prefix_caching", "--enforce_eager")},
+           for o in ("--enable_prefix_caching", "--enforce_eager", "--log_samples")},
         **{o: ("grpo.py",) for o in ("--policy_loss_type", "--importance_sampling_level", "--delta", "--tau_pos",
                                      "--tau_neg", "--kl_ratio_weighted")}}
 
@@ -92,7 +92,8 @@ def test_help_lists_every_option_where_it_applies():
     ("grpo.py", ["--enforce_eager"], "--enforce_eager is a vLLM option: add --vllm or --ray"),
     ("grpo.py", ["--vllm", "--vllm_tensor_parallel_size", 2], "--vllm_tensor_parallel_size 2 must divide the 1 "
                                                               "processes (each 2 share an engine)"),
-    ("grpo.py", ["--vllm", "--vllm_gpu_memory_utilization", 2], "--vllm_gpu_memory_utilization 2.0: a share of"),
+    ("grpo.py", ["--vllm", "--vllm_gpu_memory_utilization", 2],
+     "argument --vllm_gpu_memory_utilization: 2 is outside (0, 1]"),
     ("ppo.py", ["--remote_rm_url", ROOT / "toy.py", "--ray", "--vllm_tensor_parallel_size", 2],
      "--ray engines have one GPU each (--vllm_tensor_parallel_size 1)"),
     ("sft.py", ["--aux_loss_coef", 0.1], "--aux_loss_coef: llama is not a mixture-of-experts model"),
@@ -108,11 +109,12 @@ def test_help_lists_every_option_where_it_applies():
     ("grpo.py", ["--policy_loss_type", "cispo", "--dual_clip", 3], "--dual_clip and --delta cap the ppo surrogate"),
     ("grpo.py", ["--delta", 1.1, "--eps_clip_high", 0.28], "--delta 1.1 must be > 1 + --eps_clip_high (1.28)"),
     ("grpo.py", ["--kl_ratio_weighted"], "--kl_ratio_weighted weights the KL loss: add --use_kl_loss"),
-    ("grpo.py", ["--policy_loss_type", "sapo", "--tau_neg", 0], "--tau_pos and --tau_neg must be > 0"),
+    ("grpo.py", ["--policy_loss_type", "sapo", "--tau_neg", 0], "argument --tau_neg: 0 is outside (0, inf)"),
     ("grpo.py", ["--tau_pos", 2], "--tau_pos and --tau_neg are SAPO's: add --policy_loss_type sapo"),
     ("grpo.py", ["--vllm", "--async_steps", 1], "--async_steps needs --ray: the next batch is generated while"),
     ("grpo.py", ["--ray", "--async_steps", 1, "--dynamic_filtering"], "--dynamic_filtering draws as many batches"),
-    ("ppo.py", ["--remote_rm_url", ROOT / "toy.py", "--ray", "--async_steps", -1], "--async_steps must be >= 0"),
+    ("ppo.py", ["--remote_rm_url", ROOT / "toy.py", "--ray", "--async_steps", -1],
+     "argument --async_steps: -1 is outside [0, inf)"),
     ("sft.py", ["--multiturn"],
      "--multiturn renders each conversation with the chat template: add --apply_chat_template"),
 ])
@@ -153,6 +155,26 @@ def lr_closed_form(name, step, total, warmup, peak, min_rate=0.1):
     if name == "cosine_with_min_lr":
         return peak * (min_rate + (1 - min_rate) * 0.5 * (1 + math.cos(math.pi * progress)))
     raise ValueError(name)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_run_says_which_defaults_it_took_and_why(toy_world, tmp_path, script):
+    """One line: the column of the script's DEFAULTS table it took (the toy world's without --dataset, a real run's
+    with one, even a toy world file), and the values, those given on the command line left out."""
+    module = __import__(script[:-3])
+    line = lambda proc: [x for x in proc.stderr.splitlines() if x.startswith("defaults: ")]  # noqa: E731
+    toy = line(run_main(script, "--pretrain", tmp_path / "none", "--learning_rate", 0.5, cwd=tmp_path, check=False))
+    real = line(run_main(script, "--pretrain", tmp_path / "none", "--dataset", toy_world / "steps_train.jsonl",
+                         cwd=tmp_path, check=False))
+    assert len(toy) == 1 and toy[0].startswith("defaults: the toy world's (no --dataset given; a flag you give wins): ")
+    assert len(real) == 1 and real[0].startswith("defaults: a real run's (--dataset given")
+    for flag, (real_value, toy_value) in module.DEFAULTS.items():
+        if flag == "learning_rate":
+            assert "--learning_rate" not in toy[0] and f"--learning_rate {real_value}" in real[0]
+        elif isinstance(toy_value, (int, float)):
+            assert f"--{flag} {toy_value} " in toy[0] + " "  # (paths are the session's toy world's)
+        if real_value is not None and flag != "dataset":
+            assert f"--{flag} {real_value}" in real[0]
 
 
 def test_lora_sft_trains_merges_and_follows_its_schedule(policy, toy_world, tmp_path):

@@ -168,9 +168,15 @@ def test_step_rewards_over_http_from_serve_rm(toy_world, tmp_path):
     from conftest import script_args
 
     path, model, tok = fake_prm(toy_world, tmp_path)
-    prompts = [torch.tensor(tok(p)["input_ids"]) for p in ("07+45+08\n", "10+20\n")]
-    responses = [torch.tensor(tok(r, add_special_tokens=False)["input_ids"])
-                 for r in ("07+45=52\n52+08=60</s>", "10+20=31</s>")]
+    completions = ["07+45=52\n52+08=60</s>", "10+20=31</s>",
+                   # what a weak policy writes: a BOS inside, a placeholder of its own (alone on a line too), a
+                   # separator right before EOS, a completion cut at the length limit (no EOS), nothing but EOS
+                   "07+45=52\n<s></s>", "07+45=52 ки\n52+08=60</s>", "07+45=52\nки</s>", "07+45=52\n</s>",
+                   "07+45=52\n52+0", "</s>"]
+    steps = [2, 1, 1, 2, 2, 1, 2, 1]  # the contract's count, by hand
+    prompts = [torch.tensor(tok(p)["input_ids"]) for p in ["07+45+08\n", "10+20\n"] + ["07+45+08\n"] * 6]
+    responses = [torch.tensor(tok(r, add_special_tokens=False)["input_ids"]) for r in completions]
+    assert [(r == tok.bos_token_id).sum().item() for r in responses[2:4]] == [1, 0]  # "<s>" is the BOS token
     batch = rollout.Rollout.of([{"ids": p, "text": "", "label": None} for p in prompts], responses, tok.eos_token_id)
     local = script_args(reward_pretrain=str(path), remote_rm_url=None, process_rewards=True, step_separator="\n",
                         prm_reduce="min", micro_rollout_batch_size=8)
@@ -180,15 +186,18 @@ def test_step_rewards_over_http_from_serve_rm(toy_world, tmp_path):
     try:
         url = server.url + "/get_reward"
         remote = script_args(**dict(vars(local), reward_pretrain=None, remote_rm_url=url), remote_rm_batch_size=1,
-                             remote_rm_timeout=60.0, remote_rm_retries=0)  # one request a query: joined after
+                             remote_rm_timeout=60.0, remote_rm_retries=0,  # one request a query: joined after
+                             remote_rm_retry_wait=0.0)
         rewards, _, logs = process_rewards.reward_fn(remote, tok, None, None)(batch)
         plain = rollout.client_rewards(rollout.reward_client(url), batch, tok)
     finally:
         server.close()
-    assert batch.step_rewards[1].nonzero().tolist() == [[0, 8], [0, 17], [1, 8]]
+    assert batch.step_rewards[1][:2].nonzero().tolist() == [[0, 8], [0, 17], [1, 8]]
+    assert batch.step_rewards[1].sum(-1).tolist() == steps
     assert batch.step_rewards[0].flatten().tolist() == pytest.approx(want.flatten().tolist(), abs=1e-5)
-    assert logs["steps"].tolist() == [2.0, 1.0]
-    assert rewards.tolist() == pytest.approx([min(want[0, 8], want[0, 17]).item(), want[1, 8].item()], abs=1e-5)
+    assert logs["steps"].tolist() == steps
+    assert rewards.tolist() == pytest.approx([min(want[i][batch.step_rewards[1][i]]).item() for i in range(8)],
+                                             abs=1e-5)
     assert plain[0].tolist() == pytest.approx(rewards.tolist(), abs=1e-6)
 
 
@@ -220,9 +229,12 @@ def test_bad_judges_and_sources_stop_in_one_line(toy_world, tmp_path, tokenizer)
 
 
 def test_serve_rm_inserts_placeholders_into_completions(tokenizer):
-    q = "<s>07+45+08\n07+45=52\n52+08=60</s>"
-    assert serve_rm.prm_query(q, "<s>07+45+08\n", tokenizer, "ки", "\n") == "<s>07+45+08\n07+45=52 ки\n52+08=60 ки"
-    assert serve_rm.prm_query("a ки\nb ки", None, tokenizer, "ки", "\n") == "a ки\nb ки"  # as sent
+    q, p = "<s>07+45+08\n07+45=52\n52+08=60</s>", "<s>07+45+08\n"
+    assert serve_rm.prm_query(q, p, tokenizer, "ки", "\n") == p + "07+45=52 ки\n52+08=60 ки"
+    assert serve_rm.prm_query("a ки\nb ки", None, tokenizer, "ки", "\n") == "a ки\nb ки"  # prm.py's form, as sent
+    # a trainer's query: special tokens inside the completion are no step, a placeholder the policy wrote is dropped
+    assert serve_rm.prm_query(p + "07+45=52\n<s></s><pad>", p, tokenizer, "ки", "\n") == p + "07+45=52 ки\n"
+    assert serve_rm.prm_query(p + "1 ки\n2</s>", p, tokenizer, "ки", "\n") == p + "1 ки\n2 ки"
 
 
 # --------------------------------------------------------------------------------- end to end, in RL

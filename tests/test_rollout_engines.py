@@ -38,6 +38,8 @@ def test_vllm_engines_match_hf(policy, eval_file, backend, lora):
     # the rollout correction (rollout.rollout_correction_weights) sees the stale engine, and nothing once synced
     assert out["stale_weight_dev"] > 0.1 and out["stale_masked_frac"] > 0.01, out
     assert out["fresh_weight_dev"] <= 1e-3 and out["fresh_masked_frac"] == 0, out
+    # the toy's tied lm_head and its rotary embedding load nothing at a sync, by design: vLLM's warning is dropped
+    assert "Failed to load weights" not in proc.stdout + proc.stderr
     if backend == "vllm":  # the LoRA runs also turn on --enable_prefix_caching; the others pass it off
         assert out["prefix_caching"] is bool(lora)
 
@@ -56,6 +58,75 @@ def test_in_process_vllm_on_two_ranks(policy, eval_file, tp):
     assert out["prompts"] == 64 and out["greedy_equal"] >= 62 and out["tie_margin"] <= 1e-4
     assert out["stale_logprob_diff"] > 1e-2 and out["logprob_diff"] <= 1e-4
     assert out["engine_seeds"] == ([0, 1] if tp == 1 else [0, 0])  # an engine's ranks sample alike
+
+
+def test_vllm_sync_of_an_untied_head_is_checked_not_silenced(toy_world, tmp_path):
+    """A sync warns of no layer it loads as designed (vLLM's "Failed to load weights" for the rotary embedding, and
+    for a tied lm_head: engines.expected_reload_warnings_dropped), and stays loud where a weight is missing: on a
+    model whose lm_head is its own tensor, a sync without it leaves the engine's head stale (a large log-prob gap
+    after the update) and says so; the full sync gives HF's log-probs, silently. See untied_head_sync below."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(toy_world / "model")
+    config.tie_word_embeddings, config.num_hidden_layers = False, 2
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "untied")
+    AutoTokenizer.from_pretrained(toy_world / "model").save_pretrained(tmp_path / "untied")
+    proc = subprocess.run([sys.executable, __file__, "untied_head", str(tmp_path / "untied")], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["stale_gap"] > 0.1  # the update moved what the engine samples from
+    assert out["head_left_out_gap"] > 0.1
+    assert out["head_left_out_warnings"] == ["ParallelLMHead: Failed to load weights"]
+    assert out["full_gap"] <= 1e-4 and out["full_warnings"] == []
+    printed = [line for line in proc.stdout.splitlines()[:-1] + proc.stderr.splitlines()
+               if "Failed to load weights" in line]
+    assert len(printed) == 1 and "ParallelLMHead: Failed to load weights" in printed[0]  # vLLM's log, as it came
+
+
+def untied_head_sync(path):
+    """vLLM in this process on the untied model at `path`: after every weight moves, the largest gap between the
+    engine's log-probs and an HF forward's, before a sync, after one without lm_head.weight, after a full one; and the
+    reload warnings each sync let through."""
+    import argparse
+    import logging
+
+    args = argparse.Namespace(pretrain=path, seed=0, bf16=False, prompt_max_len=16, generate_max_len=8,
+                              trust_remote_code=False, vllm_gpu_memory_utilization=0.3, top_p=1.0, zero_stage=0,
+                              vllm_tensor_parallel_size=1, enforce_eager=False, enable_prefix_caching=False)
+    common.init_distributed(args)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    engine = engines.VLLMEngine(args, model, tok)
+    engine.sync(model)
+    warned = []  # what the reload logger lets through (its filters run before any handler)
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addHandler(handler)
+    prompts = [torch.tensor(tok(f"{a:02d}+{b:02d}=")["input_ids"]) for a, b in [(7, 45), (12, 3), (60, 39), (1, 1)]]
+
+    @torch.no_grad()
+    def gap():
+        samples = engine.sample([{"ids": p} for p in prompts], 1.0)
+        diff = 0.0
+        for (p, r), lp in zip(samples.pairs(), samples.logprobs):
+            logp = torch.log_softmax(model(torch.cat([p, r])[None]).logits[0].double(), -1)
+            diff = max(diff, (lp[:len(r)] - logp[torch.arange(len(p) - 1, len(p) + len(r) - 1), r]).abs().max().item())
+        return diff
+
+    with torch.no_grad():  # a training step's worth of change on every weight, the head's larger
+        g = torch.Generator().manual_seed(0)
+        for name, p in model.named_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * (0.5 if name == "lm_head.weight" else 0.02))
+    out = {"stale_gap": gap()}
+    warned.clear()
+    engine.load_weights([(n, t) for n, t in engines.merged_weights(model, False) if n != "lm_head.weight"])
+    out.update(head_left_out_gap=gap(), head_left_out_warnings=list(warned))
+    warned.clear()
+    engine.sync(model)
+    out.update(full_gap=gap(), full_warnings=list(warned))
+    print(json.dumps(out), flush=True)
 
 
 def test_a_local_ray_cluster_gets_only_the_gpus_the_trainer_leaves(monkeypatch):
@@ -230,4 +301,7 @@ def backend_parity(policy, eval_file, backend, lora, tp="1"):
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    backend_parity(*sys.argv[1:6])
+    if sys.argv[1] == "untied_head":
+        untied_head_sync(sys.argv[2])
+    else:
+        backend_parity(*sys.argv[1:6])

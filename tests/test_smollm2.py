@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
-from conftest import ROOT, run_main, script_args
+from conftest import ROOT, results, run_main, sample_tables, script_args
 
 import common  # noqa: E402  (conftest puts the repository on sys.path, for __main__ too)
 import rollout  # noqa: E402
@@ -355,6 +355,39 @@ def test_policy_gradient_step_moves_toward_positive_advantages(script, smol, dat
     gain, gap = rec.surrogate_gain(smol, tmp_path / "out")
     print(f"{script}: surrogate gain {gain:.3e}, old log-prob gap {gap:.1e}")
     assert gain > 0 and gap < 2e-4
+
+
+def test_log_samples_shows_the_chat_prompt_and_the_completion(smol, data, tmp_path):
+    """--log_samples on a real chat model (one grpo.py step, one eval prompt): the eval table shows the prompt as the
+    policy saw it, ChatML decoded with its markers (the template's default system prompt, the generation prompt), the
+    greedy completion's text through <|im_end|> (stock generate's, here), EOS as its end, and the reward_func's score
+    of that text, which is the logged eval reward."""
+    tok = chat_tokenizer(smol)
+    a, b = sums(1, 2)[0]  # the greedy test's first sum: answered, then <|im_end|>
+    question = [{"role": "user", "content": QUESTION.format(a=a, b=b)}]
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"input": question, "label": str(a + b)}) + "\n")
+    proc = run_main("grpo.py", "--pretrain", smol, "--dataset", data / "add.jsonl", "--eval_dataset",
+                    tmp_path / "eval.jsonl", "--remote_rm_url", data / "short.py", "--label_key", "label",
+                    "--n_samples_per_prompt", 2, "--rollout_batch_size", 1, "--max_samples", 1, "--train_batch_size", 2,
+                    "--micro_train_batch_size", 2, "--micro_rollout_batch_size", 2, "--generate_max_len", MAX_NEW,
+                    "--prompt_max_len", 128, "--init_kl_coef", 0, "--log_samples", 1, *STEP,
+                    "--save_path", tmp_path / "out")
+    text = tok.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    ids = chat_prompt(tok, question)
+    greedy = GenerationConfig(do_sample=False, eos_token_id=IM_END, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        stock = AutoModelForCausalLM.from_pretrained(smol).eval().generate(
+            ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=MAX_NEW,
+            generation_config=greedy)[0, len(ids):]
+    completion = tok.decode(stock)
+    assert text.startswith("<|im_start|>system\nYou are") and completion.endswith("<|im_end|>")
+    tables = sample_tables(proc.stdout + proc.stderr)
+    assert sorted(tables) == [0, 1] and len(tables[0]) == 1
+    row, squeezed = tables[0][0], lambda s: "".join(s.split())  # the table's cells, wrapped by rich, lose whitespace
+    assert row["prompt"] == squeezed(text)
+    assert row["completion"] == squeezed(completion) and row["end"] == "EOS"
+    assert float(row["reward"]) == pytest.approx(-len(completion) / 10, rel=1e-3)  # short.py's score
+    assert results(tmp_path / "out")["eval_reward_before"] == pytest.approx(float(row["reward"]), rel=1e-3)
 
 
 def test_merged_lora_gives_the_adapter_models_logits(smol, tmp_path):

@@ -178,13 +178,14 @@ def parse_args(parser, defaults):
 
 
 def quiet_libraries():
-    """For a script's run, not on import: no download bars, transformers' errors only, no DeepSpeed
-    deprecation notes about torch.distributed."""
+    """For a script's run (and a Ray engine's), not on import: no download bars, transformers' errors only, no
+    deprecation notes about torch.distributed (DeepSpeed's, and vLLM's scan of every module's attributes)."""
     import huggingface_hub
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # for child processes (Ray workers)
     huggingface_hub.utils.disable_progress_bars()
     warnings.filterwarnings("ignore", message=r".*is deprecated. Please use `torch.distributed")
+    warnings.filterwarnings("ignore", message=r"`torch.distributed.reduce_op` is deprecated", category=FutureWarning)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
 
@@ -229,7 +230,7 @@ def announce_shm_build():
     if torch.cuda.is_available() or not deepspeed.ops.__compatible_ops__.get("deepspeed_shm_comm", False):
         yield  # nothing to build (GPU), or nothing DeepSpeed can build
         return
-    from torch.utils.cpp_extension import _get_build_directory  # where torch's load() builds it: TORCH_EXTENSIONS_DIR
+    from torch.utils.cpp_extension import _get_build_directory  # where torch's load() builds (TORCH_EXTENSIONS_DIR)
 
     cache = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
     if not (cache / "deepspeed_shm_comm.so").exists() and os.environ.get("LOCAL_RANK", "0") == "0":
@@ -1083,7 +1084,7 @@ class Logger:
         for name in rows[0]:
             table.add_column(name, overflow="fold")  # a long token is folded, not cut
         for row in texts:  # as Text: brackets in a completion are not rich markup
-            table.add_row(*(Text(t if len(t) <= limit else f"{t[:limit // 2]} …[{len(t) - limit} more]… "
+            table.add_row(*(Text(t if len(t) <= limit else f"{t[:limit // 2]} …[{len(t) - limit} characters]… "
                                                            f"{t[-(limit // 2):]}") for t in row))
         self.progress.console.print(table)
         if self.tb:  # escaped: markdown would take <|im_start|> for an HTML tag and | for a cell's end

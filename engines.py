@@ -215,6 +215,7 @@ class RayEngine(VLLMHost):
 
     def start(self):
         args, vocab_size, tied, seed = self.host_args
+        common.quiet_libraries()  # in the actor's process, as the script did in its own
         try:
             super().__init__(args, vocab_size, tied, seed=seed, memory=0.9)  # the GPU is the engine's alone
         except Exception as e:  # back to the trainer as one line: not every exception pickles (pydantic's)

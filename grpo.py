@@ -463,9 +463,9 @@ def main():
                     for k, v in rollout.engine_gap(engine_lp, old, mask, args.rollout_correction,
                                                    args.rollout_correction_bounds).items():
                         stats[k].append(v)
+        metrics["train_s"] = time.time() - t
 
         # 4. weight sync: the rollout engines generate with the updated policy from the next step on
-        metrics["train_s"] = time.time() - t
         t = time.time()
         engine.sync(actor.module, version=step + 1)
         release()  # --async_steps: the batch sampled from here on may use these weights

@@ -31,12 +31,12 @@ import argparse
 import math
 import time
 
-import deepspeed
 import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 import common
+import deepspeed  # after common, which names DeepSpeed's accelerator first (else it guesses, with a warning)
 import rollout
 
 # ------------------------------------------------------------------------------------------------ math

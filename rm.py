@@ -18,13 +18,13 @@ import argparse
 import math
 import time
 
-import deepspeed
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 import common
+import deepspeed  # after common, which names DeepSpeed's accelerator first (else it guesses, with a warning)
 
 
 def pairwise_loss(chosen_rewards, rejected_rewards, margin=None):

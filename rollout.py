@@ -73,7 +73,7 @@ def add_rollout_args(parser, policy_gradient=True, rewards=True):
         parser.set_defaults(reward_pretrain=None, remote_rm_url=None, non_stop_penalty=None)
     a("--eval_steps", type=ranged(int, 1, also=[-1]), default=-1,
       help="evaluate every N steps (-1: before and after training only)")
-    a("--log_samples", type=int, default=4,
+    a("--log_samples", type=ranged(int, 0), default=4,
       help="at each eval, show the first N samples (prompt, completion, reward) as a table, also to TensorBoard / "
            "wandb (0: none)")
     if not policy_gradient:  # in step, no episodes

@@ -46,6 +46,8 @@ def ensure_smollm2(out=OUT):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+    if not torch.cuda.is_available():  # save_pretrained imports DeepSpeed: its CPU accelerator, named (as in common.py)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # rather than guessed with a warning
     src = gguf_dir()
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=GGUF)
     quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF, dtype=torch.float32)

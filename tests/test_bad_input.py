@@ -73,6 +73,29 @@ def test_empty_dataset(toy_world, tmp_path):
     assert str(data) in line and "empty" in line
 
 
+@pytest.mark.parametrize("script, data, message", [
+    ("sft.py", "sft_train", "16 usable samples, fewer than --train_batch_size 32"),
+    ("rm.py", "pref_train", "16 pairs, fewer than --train_batch_size 32"),
+    ("dpo.py", "pref_train", "16 pairs, fewer than --train_batch_size 32"),
+    ("prm.py", "prm_train", "16 usable samples, fewer than --train_batch_size 32"),
+    ("grpo.py", "prompts_train", "16 usable prompts, fewer than --rollout_batch_size 32"),
+])
+def test_too_few_samples_names_the_batch_size_it_is_short_of(toy_world, tmp_path, script, data, message):
+    path = tmp_path / f"{data}.jsonl"
+    path.write_text("".join((toy_world / f"{data}.jsonl").read_text().splitlines(keepends=True)[:16]))
+    flags = ["--rollout_batch_size", 32, "--remote_rm_url", ROOT / "toy.py", "--label_key", "label"] \
+        if script == "grpo.py" else []
+    line = one_line_error(run_main(script, "--dataset", path, "--train_batch_size", 32, *flags, "--save_path",
+                                   tmp_path / "out", cwd=tmp_path, check=False))
+    assert line == f"error: {path}: {message}"
+
+
+def test_a_flag_that_must_stay_below_another_names_both_values(toy_world, tmp_path):
+    line = one_line_error(run_main("grpo.py", "--overlong_buffer_len", 10, "--generate_max_len", 8, "--save_path",
+                                   tmp_path / "out", cwd=tmp_path, check=False))
+    assert line == "error: --overlong_buffer_len 10 must be below --generate_max_len 8"
+
+
 @pytest.mark.parametrize("model", ["./no/such/model", "/no/such/model"])
 def test_nonexistent_model_path(toy_world, tmp_path, model):
     line = one_line_error(run_main("sft.py", "--pretrain", model, cwd=tmp_path, check=False))

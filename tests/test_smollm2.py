@@ -370,8 +370,8 @@ def test_log_samples_shows_the_chat_prompt_and_the_completion(smol, data, tmp_pa
                     tmp_path / "eval.jsonl", "--remote_rm_url", data / "short.py", "--label_key", "label",
                     "--n_samples_per_prompt", 2, "--rollout_batch_size", 1, "--max_samples", 1, "--train_batch_size", 2,
                     "--micro_train_batch_size", 2, "--micro_rollout_batch_size", 2, "--generate_max_len", MAX_NEW,
-                    "--prompt_max_len", 128, "--init_kl_coef", 0, "--log_samples", 1, *STEP,
-                    "--save_path", tmp_path / "out")
+                    "--prompt_max_len", 128, "--init_kl_coef", 0, "--log_samples", 1, *STEP, "--save_path",
+                    tmp_path / "out", "--temperature", 0.01)  # near-greedy training samples: short, a quick step
     text = tok.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
     ids = chat_prompt(tok, question)
     greedy = GenerationConfig(do_sample=False, eos_token_id=IM_END, pad_token_id=tok.pad_token_id)

@@ -153,12 +153,12 @@ def parse_args(parser, defaults):
         if getattr(args, flag) is unset:
             value = toy_value if toy_run else real
             setattr(args, flag, value.replace("{toy}", str(root)) if toy_run and isinstance(value, str) else value)
-            taken += [] if getattr(args, flag) is None else [f"--{flag} {getattr(args, flag)}"]
+            if getattr(args, flag) is not None:
+                taken.append(f"--{flag} {getattr(args, flag)}")
     if os.environ.get("RANK", "0") == "0":  # (before init_distributed: the launcher's RANK says who prints)
-        column = "the toy world's (no --dataset given" if toy_run else \
-            "a real run's (--dataset given; the toy world's apply only without one"
-        console.print(f"defaults: {column}; a flag you give wins): {' '.join(taken) or 'none left to fill'}",
-                      markup=False)
+        why = "no --dataset given" if toy_run else "--dataset given; the toy world's apply only without one"
+        console.print(f"defaults: {'the toy world' if toy_run else 'a real run'}'s ({why}; a flag you give wins): "
+                      f"{' '.join(taken) or 'none left to fill'}", markup=False)
     if args.bf16:
         warn_if_slow_bf16()
     if args.load_in_4bit:
@@ -640,9 +640,9 @@ def check_model_path(path):
         return
     if str(path).startswith((".", "/", "~")) or str(path).count("/") > 1:
         fail(f"model path not found: no such directory {path}")
-    if len(p.parts) > 1 and p.parts[0] != "" and Path(p.parts[0]).is_dir():
-        fail(f"model path not found: no such directory {path} (a hub name would be org/name, but "
-             f"{p.parts[0]}/ is a directory here)")
+    if len(p.parts) > 1 and Path(p.parts[0]).is_dir():
+        fail(f"model path not found: no such directory {path} (taken as local: {p.parts[0]}/ is a directory here; "
+             "for the hub's org/name, run from another directory)")
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -954,12 +954,14 @@ def write_hf_dir(model, tokenizer, path, state=None, extra_config=None):
 def usual_modes(directory):
     """Every file under `directory` gets the mode a new file gets here (0666 less the umask, 0644 usually):
     save_pretrained writes model.safetensors through a private temporary file (0600), which another user of a
-    shared filesystem could not load."""
-    umask = os.umask(0)
-    os.umask(umask)
+    shared filesystem could not load. The mode is read off a file made for it (reading the umask would set it)."""
+    probe = Path(directory) / ".mode"
+    probe.touch()
+    mode = probe.stat().st_mode & 0o777
+    probe.unlink()
     for f in Path(directory).rglob("*"):
         if f.is_file():
-            f.chmod(0o666 & ~umask)
+            f.chmod(mode)
 
 
 def save_checkpoint(engine, args, step, extra=None, others=None):

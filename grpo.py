@@ -483,6 +483,9 @@ def main():
         out.update(rollout.lag_and_turns(batch, step, logs, args.async_steps, args.agent_func_path))
         out["lr"] = actor.get_lr()[0]
         logger.log(step + 1, out)
+        if not eval_prompts and (step == start_step or common.due(args.logging_steps, step + 1)):  # nothing else shows
+            logger.log_samples(step + 1, rollout.eval_samples(batch, {"reward": rewards}, tokenizer, args.log_samples),
+                               prefix="train")  # what the policy writes
         if common.due(args.save_steps, step + 1):
             common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": batch.cursor})
         if eval_prompts and common.due(args.eval_steps, step + 1, total_steps):

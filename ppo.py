@@ -210,8 +210,8 @@ def parse_args():
       help="MoE router load-balancing loss weight (actor)")
     a("--actor_learning_rate", dest="learning_rate", type=common.ranged(float, 0), help="same as --learning_rate")
     a("--critic_learning_rate", type=common.ranged(float, 0))
-    a("--freezing_actor_steps", type=common.ranged(int, 0), default=0,
-      help="train only the critic for the first N steps")
+    a("--freezing_actor_steps", type=common.ranged(int, 0, also=[-1]), default=0,
+      help="train only the critic for the first N steps (0, or OpenRLHF's -1: none)")
     a("--save_value_network", action="store_true", help="also save the critic, to <save_path>_critic")
     args = common.parse_args(parser, DEFAULTS)
     if args.agent_func_path and args.eval_reward_func == rollout.TOY_REWARD:
@@ -247,7 +247,8 @@ def main():
     kl_coef = state.get("kl_coef", args.init_kl_coef)
     # HF generate on the actor; --vllm / --ray: vLLM engines fed the actor's weights (and again after every update).
     # A version counts the actor updates in the weights (none while --freezing_actor_steps train the critic).
-    actor_version = lambda step: max(step - args.freezing_actor_steps, 0)  # noqa: E731  (at the step's start)
+    critic_only_steps = max(args.freezing_actor_steps, 0)  # (OpenRLHF's -1: none)
+    actor_version = lambda step: max(step - critic_only_steps, 0)  # noqa: E731  (at the step's start)
     engine = rollout.start_engine(args, actor.module, tokenizer, actor_version(start_step))
     # --async_steps N: the next batches are sampled on the Ray engines while this process trains, on weights at most
     # N updates old (the rollout correction covers that too)
@@ -306,7 +307,7 @@ def main():
         #    response); each engine steps its optimizer every train_batch_size samples (accumulation over
         #    micro-batches and ranks)
         t = time.time()
-        train_actor = step >= args.freezing_actor_steps
+        train_actor = step >= critic_only_steps
         actor.module.train()
         critic.module.train()
         stats = {k: [] for k in ("policy_loss", "clip_frac", "entropy", "value_loss", "value_clip_frac")}
@@ -363,6 +364,9 @@ def main():
         out.update(rollout.lag_and_turns(batch, actor_version(step), extra_logs, args.async_steps,
                                          args.agent_func_path))
         logger.log(step + 1, out)
+        if not eval_prompts and (step == start_step or common.due(args.logging_steps, step + 1)):  # nothing else shows
+            logger.log_samples(step + 1, rollout.eval_samples(batch, {"reward": scores}, tokenizer, args.log_samples),
+                               prefix="train")  # what the policy writes
         if args.kl_target is not None:
             kl_coef = adaptive_kl_coef(kl_coef, out["kl"], args.kl_target, args.kl_horizon, samples_per_step)
         if common.due(args.save_steps, step + 1):

@@ -2,13 +2,14 @@
 process reward model (prm.py's output) as a reward source at all (--reward_pretrain runs/prm). Imported only then.
 
 The step contract. A completion's steps are the pieces of its text (prm.completion_text: decoded, the special tokens'
-text removed; serve_rm.py reads a query's completion by the same function) between occurrences of --step_separator
-(default a newline), empty or blank pieces not counted; a completion in which the separator never occurs (or with no
-text at all) is one step. A placeholder the policy wrote is text like any other here (a judge drops it before adding
-its own). A step ends at the completion token whose text completes the separator after it (byte-level BPE may merge
-the separator with its neighbours: the token that holds its last character), the last step at the completion's last
-token (its EOS, or the token where --generate_max_len cut it). Steps that end in the same token (a step shorter than a
-token) count as one there, with the last one's score.
+text removed; serve_rm.py reads a query's completion by the same function, so a judge must know the policy's special
+tokens, as a PRM trained from the policy does) between occurrences of --step_separator (default a newline), empty or
+blank pieces not counted; a completion in which the separator never occurs (or with no text at all) is one step. A
+placeholder the policy wrote is text like any other here (a judge drops it before adding its own). A step ends at the
+completion token whose text completes the separator after it (byte-level BPE may merge the separator with its
+neighbours: the token that holds its last character), the last step at the completion's last token (its EOS, or the
+token where --generate_max_len cut it). Steps that end in the same token (a step shorter than a token) count as one
+there, with the last one's score.
 
 A reward source gives one score per step next to the per-sample reward:
     {"rewards": [...], "step_rewards": [[score of step 1, step 2, ...], ...]}
@@ -65,7 +66,8 @@ def check_step_counts(step_lists, ends, source, separator):
     for i, (s, e) in enumerate(zip(step_lists, ends)):
         if len(s) != len(e):
             fail(f"{source}: step_rewards[{i}] has {len(s)} scores but completion {i} has {len(e)} steps "
-                 f"(pieces between {separator!r} separators; see process_rewards.py)")
+                 f"(pieces between {separator!r} separators, special tokens' text removed: a judge must know the "
+                 "policy's special tokens; see process_rewards.py)")
 
 
 def parse_with_steps(out, n, source):

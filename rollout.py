@@ -75,7 +75,7 @@ def add_rollout_args(parser, policy_gradient=True, rewards=True):
       help="evaluate every N steps (-1: before and after training only)")
     a("--log_samples", type=ranged(int, 0), default=4,
       help="at each eval, show the first N samples (prompt, completion, reward) as a table, also to TensorBoard / "
-           "wandb (0: none)")
+           "wandb (0: none); without an eval set, grpo.py and ppo.py show a step's rollout every --logging_steps")
     if not policy_gradient:  # in step, no episodes
         parser.set_defaults(async_steps=0, agent_func_path=None)
         return
@@ -410,7 +410,7 @@ def generate_hf(model, tokenizer, prompts, temperature, top_p=1.0, max_new_token
 
 
 # -------------------------------------------------------------------------------------------- rewards
-def reward_client(target, batch_size=64, timeout=60.0, retries=3, backoff=1.0, parse=None, retry_wait=60.0):
+def reward_client(target, batch_size=64, timeout=60.0, retries=10, backoff=1.0, parse=None, retry_wait=60.0):
     """--remote_rm_url for the RL scripts -> f(queries, prompts, labels) -> (rewards, scores, extra_logs):
     float tensors of len(queries), and {name: tensor of len(queries)}. The target is one of:
       http(s)://host:port/get_reward   OpenRLHF's JSON API: POST {"query": [...], "prompts": [...],
@@ -491,11 +491,12 @@ def check_rewards(out, n, source):
     fail(f"{source}: returned {type(out).__name__}; expected a list/tensor of floats or a dict with 'rewards'")
 
 
-def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, retries=3, backoff=1.0,
+def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, retries=10, backoff=1.0,
                    parse=check_rewards, retry_wait=60.0):
     """POST {"query", "prompts", "labels"} to `url` in batches and read the rewards back. Connection errors,
     timeouts, 5xx and 429 are retried up to `retries` times, waiting backoff, 2*backoff, ... (at most 10*backoff
-    each) while the waits add up to at most `retry_wait` seconds (a restarting server is back in about 20 s); after
+    each; the last wait cut to what is left) for at most `retry_wait` seconds in all (a restarting server is back in
+    about 20 s); after
     the last try (or at once on any other 4xx) it stops with an error naming the URL, the cause and how long it
     tried: a missing reward is never passed on as None or 0."""
     import httpx
@@ -517,8 +518,8 @@ def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, r
                         fail(f"reward server {url} refused the request ({error})")
                 except (httpx.HTTPError, json.JSONDecodeError) as e:
                     error = f"{type(e).__name__}: {e}"
-                wait = min(backoff * 2 ** attempt, 10 * backoff)
-                if attempt == retries or waited + wait > retry_wait:
+                wait = min(backoff * 2 ** min(attempt, 10), 10 * backoff, retry_wait - waited)
+                if attempt == retries or wait <= 0:
                     fail(f"reward server {url} failed {attempt + 1} times in {time.time() - started:.1f} s, "
                          f"{waited:g} s of it waiting between tries (--remote_rm_retries {retries}, "
                          f"--remote_rm_retry_wait {retry_wait:g}); last error: {error}")

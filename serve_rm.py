@@ -140,11 +140,13 @@ def prm_query(query, prompt, tokenizer, placeholder, separator):
     """prm: an RL trainer's query, prompt + completion with its entry in "prompts", gets the placeholder after each
     step of its completion (the text after the prompt), as prm.py's data has them, by the trainer's own rule
     (prm.completion_text: special tokens' text removed, the EOS and pads with it; a placeholder the policy wrote
-    dropped). A query without a prompt is all completion, unless it holds placeholders already: then it is prm.py's
-    own data form, scored as sent."""
-    if prompt is None and placeholder in query:
+    dropped). A query without a prompt (none, or "") that holds placeholders is prm.py's own data form, scored as
+    sent; one without either is all completion but its leading BOS."""
+    if not prompt and placeholder in query:
         return query
     head = prompt if prompt and query.startswith(prompt) else ""
+    if not head and tokenizer.bos_token and query.startswith(tokenizer.bos_token):
+        head = tokenizer.bos_token
     return head + prm.with_placeholders(prm.completion_text(query[len(head):], tokenizer), separator, placeholder)
 
 

@@ -185,12 +185,12 @@ def last_logged(stdout_and_err, key, prefix="train step"):
     return logged(stdout_and_err, key, prefix)[-1]
 
 
-def sample_tables(stdout_and_err):
+def sample_tables(stdout_and_err, prefix="eval"):
     """The tables of samples a run printed (common.Logger.log_samples): {step: [{column: cell}]}, each cell's text
     joined from the lines rich wrapped it over, without whitespace (where rich broke a line is not knowable)."""
     tables, rows, header, cells = {}, None, None, None
     for line in stdout_and_err.splitlines():
-        if line.strip().startswith("eval samples, step "):
+        if line.strip().startswith(f"{prefix} samples, step "):
             rows, header, cells = tables.setdefault(int(line.split()[-1]), []), None, None
         elif rows is not None and line.startswith(("┃", "│")):  # a header or a row, one line of it
             parts = ["".join(c.split()) for c in line[1:-1].split(line[0])]

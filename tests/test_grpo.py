@@ -254,15 +254,15 @@ def test_http_rewards_never_answering_fails_loudly():
 
 
 def test_http_rewards_retry_for_the_wait_budget_with_capped_backoff():
-    """A server down longer than the retries' waits: backoff 0.05, 0.1, 0.2, 0.4, then 0.5 (10x the first) each, until
-    the next wait would pass retry_wait 2 s: 0.05 + 0.1 + 0.2 + 0.4 + 0.5 + 0.5 = 1.75 s over 7 tries."""
+    """A server down longer than the retries' waits: backoff 0.05, 0.1, 0.2, 0.4, then 0.5 (10x the first) each, the
+    last cut to what is left of retry_wait 2 s: 0.05 + 0.1 + 0.2 + 0.4 + 0.5 + 0.5 + 0.25 = 2 s between 8 tries."""
     server = RewardServer(fail_first=100)
     try:
         t = time.time()
-        with pytest.raises(SystemExit, match=r"failed 7 times in [\d.]+ s, 1.75 s of it waiting between tries "
+        with pytest.raises(SystemExit, match=r"failed 8 times in [\d.]+ s, 2 s of it waiting between tries "
                                              r"\(--remote_rm_retries 50, --remote_rm_retry_wait 2\)"):
             rollout.reward_client(server.url, timeout=5, retries=50, backoff=0.05, retry_wait=2)(["a"], ["p"], [None])
-        assert len(server.requests) == 7 and 1.75 <= time.time() - t < 10
+        assert len(server.requests) == 8 and 2 <= time.time() - t < 10
     finally:
         server.close()
 

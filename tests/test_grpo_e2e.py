@@ -42,7 +42,7 @@ def test_grpo_hf_zero0_kl_loss_and_resume(policy, eval_file, tmp_path):
     assert max((resumed[k] - after[k]).abs().max().item() for k in after) < 1e-6
 
 
-def test_log_samples_shows_eval_completions_with_their_rewards(policy, eval_file, tmp_path):
+def test_log_samples_shows_eval_completions_with_their_rewards(policy, eval_file, toy_world, tmp_path):
     """--log_samples N: at each eval (before training, after it) a table of the first N eval samples, the prompt as
     the policy saw it (BOS included), its greedy completion, how it ended and its reward; the same rows go to
     TensorBoard as a markdown table. Each reward is the toy rule's verdict on the completion shown, and their mean
@@ -64,6 +64,14 @@ def test_log_samples_shows_eval_completions_with_their_rewards(policy, eval_file
             assert float(row["reward"]) == float(row["completion"].removesuffix("</s>") == r["label"]), row
         assert sum(float(row["reward"]) for row in rows) / len(rows) == mean
     assert 0 < res["eval_reward"] < 1  # a mix of right and wrong answers was checked
+    assert "train samples" not in proc.stderr  # an eval set shows what the policy writes
+    # without an eval set, the first step's rollout (a group's samples of one prompt first), its rewards the rule's
+    proc = run_main("grpo.py", *flags[:-2], "--eval_dataset", "", "--log_samples", 2, "--save_path", tmp_path / "c")
+    (rows,) = sample_tables(proc.stderr, prefix="train").values()
+    labels = {"<s>" + r["input"]: r["label"] for r in map(json.loads, open(toy_world / "prompts_train.jsonl"))}
+    assert len(rows) == 2 and rows[0]["prompt"] == rows[1]["prompt"] and rows[0]["prompt"] in labels
+    for row in rows:
+        assert float(row["reward"]) == float(row["completion"].removesuffix("</s>") == labels[row["prompt"]]), row
     tb = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
     tb.Reload()
     events = tb.Tensors("eval/samples/text_summary")

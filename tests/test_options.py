@@ -168,13 +168,14 @@ def test_a_run_says_which_defaults_it_took_and_why(toy_world, tmp_path, script):
                          cwd=tmp_path, check=False))
     assert len(toy) == 1 and toy[0].startswith("defaults: the toy world's (no --dataset given; a flag you give wins): ")
     assert len(real) == 1 and real[0].startswith("defaults: a real run's (--dataset given")
+    toy_pairs, real_pairs = ({*zip(x.split(), x.split()[1:])} for x in (toy[0], real[0]))  # (--flag, value)
     for flag, (real_value, toy_value) in module.DEFAULTS.items():
         if flag == "learning_rate":
-            assert "--learning_rate" not in toy[0] and f"--learning_rate {real_value}" in real[0]
+            assert "--learning_rate" not in toy[0] and ("--learning_rate", str(real_value)) in real_pairs
         elif isinstance(toy_value, (int, float)):
-            assert f"--{flag} {toy_value} " in toy[0] + " "  # (paths are the session's toy world's)
+            assert (f"--{flag}", str(toy_value)) in toy_pairs  # (paths are the session's toy world's)
         if real_value is not None and flag != "dataset":
-            assert f"--{flag} {real_value}" in real[0]
+            assert (f"--{flag}", str(real_value)) in real_pairs
 
 
 def test_lora_sft_trains_merges_and_follows_its_schedule(policy, toy_world, tmp_path):

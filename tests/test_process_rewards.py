@@ -192,8 +192,10 @@ def test_step_rewards_over_http_from_serve_rm(toy_world, tmp_path):
         plain = rollout.client_rewards(rollout.reward_client(url), batch, tok)
     finally:
         server.close()
-    assert batch.step_rewards[1][:2].nonzero().tolist() == [[0, 8], [0, 17], [1, 8]]
-    assert batch.step_rewards[1].sum(-1).tolist() == steps
+    # where each step ends, by hand (one token a character here; "ки", "<s>", "</s>" one token each)
+    ends = [[8, 17], [8], [10], [10, 19], [8, 10], [9], [8, 12], [0]]
+    assert [row.nonzero().flatten().tolist() for row in batch.step_rewards[1]] == ends
+    assert [len(e) for e in ends] == steps
     assert batch.step_rewards[0].flatten().tolist() == pytest.approx(want.flatten().tolist(), abs=1e-5)
     assert logs["steps"].tolist() == steps
     assert rewards.tolist() == pytest.approx([min(want[i][batch.step_rewards[1][i]]).item() for i in range(8)],

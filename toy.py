@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 
 TOY_DIR = Path(os.environ.get("TOY_WORLD_DIR", Path(__file__).resolve().parent / "toy_world"))
-VERSION = "7"  # 7: the same world, its files readable as any new file (weights were 0600); bump when the generator changes, so stale worlds get rebuilt
+VERSION = "7"  # bump when the generator changes, so stale worlds get rebuilt (7: its weights no longer 0600)
 PLACEHOLDER = "ки"  # step marker for PRM data (Math-Shepherd's), one token in the toy tokenizer
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # the tokenizer's special tokens, in vocabulary order
 N_TEST = 500  # held-out prompts; the other 9,500 of the 10,000 "ab+cd=" prompts are for training

@@ -1141,8 +1141,12 @@ def finish(engine, tokenizer, args, results, logger, extra_config=None, evaluate
     save_hf_model(engine, tokenizer, args.save_path, args, extra_config=extra_config)
     write_results(args.save_path, results)
     if is_rank0():
-        console.print(f"saved to {args.save_path}: " + " ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in results.items()), markup=False)
+        console.print(f"saved to {args.save_path}: {figures(results)}", markup=False)
+
+
+def figures(values):
+    """{name: value} as one line, "k=v ...", floats to 4 significant digits (counts as they are)."""
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
 
 
 def write_results(path, results):

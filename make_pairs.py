@@ -148,8 +148,7 @@ def main():
                "completions_not_stopped": stopped.count(False), "mean_score": sum(scores) / len(scores),
                "generate_s": round(generate_s, 1), "judge_s": round(judge_s, 1),
                "total_s": round(time.time() - start, 1)}
-    common.console.print(f"wrote {len(pairs)} pairs to {path}: " + " ".join(
-        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()), markup=False)
+    common.console.print(f"wrote {len(pairs)} pairs to {path}: {common.figures(summary)}", markup=False)
 
 
 if __name__ == "__main__":

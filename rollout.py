@@ -496,9 +496,8 @@ def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, r
     """POST {"query", "prompts", "labels"} to `url` in batches and read the rewards back. Connection errors,
     timeouts, 5xx and 429 are retried up to `retries` times, waiting backoff, 2*backoff, ... (at most 10*backoff
     each; the last wait cut to what is left) for at most `retry_wait` seconds in all (a restarting server is back in
-    about 20 s); after
-    the last try (or at once on any other 4xx) it stops with an error naming the URL, the cause and how long it
-    tried: a missing reward is never passed on as None or 0."""
+    about 20 s); after the last try (or at once on any other 4xx) it stops with an error naming the URL, the cause
+    and how long it tried: a missing reward is never passed on as None or 0."""
     import httpx
 
     outs = []

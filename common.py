@@ -1,7 +1,9 @@
-"""What every script uses, in labelled sections: args (parse_args reads a script's DEFAULTS table), distributed +
-DeepSpeed, model loading, data, the log-probs of response tokens, saving / resume, logging. sft.py, rm.py and prm.py
-import only this; the RL scripts also import rollout.py (prompts to scored samples). What a flag adds lives in a module
-of its own, imported where the flag is handled: packing.py (--packing_samples), lora.py (--lora_rank, --load_in_4bit).
+"""What every script needs and what would be wrong if the copies drifted, in labelled sections: args (parse_args reads
+a script's DEFAULTS table), distributed helpers, the real-checkpoint tokenizer and loading rules, reading records, the
+log-probs of response tokens, atomic saving / resume, logging. Each script holds the rest of its default path itself
+(its flags, batches, DeepSpeed config and set-up, loss): the card's trade, reuse for transparency; tests/test_copies.py
+compares the copies. What a flag adds lives in a module of its own, imported where the flag is handled: packing.py
+(--packing_samples), lora.py (--lora_rank, --load_in_4bit), engines.py, agents.py, process_rewards.py.
 
 Nothing here is an algorithm: losses, advantages and where a reward or value is read live in the scripts. Importing
 this module defines things; the one setting it makes is DeepSpeed's accelerator on a machine without CUDA (below),
@@ -73,73 +75,13 @@ def ranged(kind, lo=-math.inf, hi=math.inf, lo_open=False, hi_open=False, also=(
     return parse
 
 
-def add_common_args(p: argparse.ArgumentParser):
-    """Flags every training script shares (OpenRLHF's names). Scripts set their own defaults. A bad command line
-    stops with one line (fail), not argparse's usage block."""
-    p.error = fail
-    a = p.add_argument
-    a("--pretrain", default=None, help="model: hub name or local path (default: the toy model)")
-    a("--dataset", default=None, help="hub name, directory, or .json/.jsonl/.parquet/.csv file (default: toy)")
-    a("--dataset_probs", default=None, help="with --dataset a,b: sampling weights of the mix, e.g. 0.7,0.3")
-    a("--dataset_split", default="train")
-    a("--eval_dataset", default=None, help="held-out data, same formats (default: toy test split)")
-    a("--eval_split", default="test")
-    a("--max_samples", type=ranged(int, 1), default=None, help="use at most this many training samples")
-    a("--max_len", type=ranged(int, 1), default=512, help="truncate sequences to this many tokens")
-    a("--input_key", default="input")
-    a("--apply_chat_template", action="store_true", help="wrap inputs with the tokenizer's chat template")
-    a("--tokenizer_chat_template", default=None, help="a Jinja chat template (text or file) replacing the tokenizer's")
-    a("--input_template", default=None, help='e.g. "User: {}\\nAssistant: "; ignored with the chat template')
-    a("--packing_samples", action="store_true", help="concatenate a micro-batch into one row, no padding")
-    a("--save_path", default=None, help="where the final Hugging Face directory goes (default: runs/<script>)")
-    a("--micro_train_batch_size", type=ranged(int, 1), default=8, help="per-device batch of one forward/backward")
-    a("--train_batch_size", type=ranged(int, 1), default=64, help="global batch of one optimizer step")
-    a("--max_epochs", type=ranged(int, 1), default=1)
-    a("--learning_rate", type=ranged(float, 0), default=1e-5)  # 0: the run's weights stay as loaded
-    a("--lr_warmup_ratio", type=ranged(float, 0, 1), default=0.03)
-    a("--lr_scheduler", default="cosine_with_min_lr", help="any transformers scheduler name")
-    a("--l2", type=ranged(float, 0), default=0.0, help="AdamW weight decay")
-    a("--adam_betas", type=ranged(float, 0, 1, hi_open=True), nargs=2, default=(0.9, 0.95))
-    a("--max_norm", type=ranged(float, 0), default=1.0, help="gradient clipping (0: none)")
-    a("--seed", type=int, default=42)
-    a("--overlap_comm", action="store_true", help="ZeRO: overlap gradient reduction with the backward pass")
-    # LoRA / QLoRA (peft)
-    a("--lora_rank", type=ranged(int, 0), default=0, help="train LoRA adapters of this rank, not the weights (0: off)")
-    a("--lora_alpha", type=ranged(int, 1), default=16, help="LoRA scale: the update is alpha/rank * B A")
-    a("--lora_dropout", type=ranged(float, 0, 1, hi_open=True), default=0.0)
-    a("--target_modules", nargs="+", default=["all-linear"],
-      help="layer names that get adapters (default: every linear layer but the output head)")
-    a("--load_in_4bit", action="store_true", help="QLoRA: 4-bit base weights (bitsandbytes; CUDA GPU only)")
-    # model loading
-    a("--bf16", action="store_true", help="bfloat16 weights and DeepSpeed bf16 mode")
-    a("--flash_attn", action="store_true", help="flash_attention_2 (needs the flash-attn package, GPU)")
-    a("--gradient_checkpointing", action="store_true")
-    a("--use_liger_kernel", action="store_true", help="Liger's Triton kernels (needs liger-kernel and a GPU)")
-    a("--trust_remote_code", action="store_true", help="run model code from the checkpoint (off by default)")
-    # DeepSpeed
-    a("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
-    a("--adam_offload", action="store_true", help="keep optimizer states on CPU (DeepSpeedCPUAdam)")
-    a("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    # checkpoints and logging
-    a("--save_steps", type=ranged(int, 1, also=[-1]), default=-1,
-      help="save a resumable checkpoint every N steps (-1: never)")
-    a("--ckpt_path", default=None, help="resumable checkpoints (default: <save_path>_checkpoints)")
-    a("--max_ckpt_num", type=ranged(int, 1), default=3, help="keep this many resumable checkpoints")
-    a("--load_checkpoint", action="store_true", help="resume from the latest checkpoint in --ckpt_path")
-    a("--logging_steps", type=ranged(int, 1), default=10)
-    a("--use_tensorboard", default=None, metavar="DIR", help="also log to TensorBoard in DIR")
-    a("--use_wandb", action="store_true", help="also log to Weights & Biases (WANDB_MODE=offline works)")
-    a("--wandb_project", default="rlhf-minimal")
-    a("--wandb_run_name", default=None)
-    return p
-
-
 def parse_args(parser, defaults):
     """Parse the command line once. `defaults`: the script's table, {flag: (a real run's default, the toy world's)};
     the toy world's column applies when no --dataset is given (the world is built if missing; "{toy}" in a value is
     its directory), and a flag given on the command line wins either way. Without --pretrain the model is the toy
     one."""
     quiet_libraries()
+    parser.error = fail  # a bad command line stops with one line, not argparse's usage block
     unset = object()  # what a flag of the table not given on the command line holds until it is filled in below
     parser.set_defaults(**dict.fromkeys(defaults, unset))
     args = parser.parse_args()
@@ -304,37 +246,13 @@ def all_reduce_means(metrics, stds=None):
     return out
 
 
-def ds_config(args):
-    world = dist.get_world_size()
-    if args.train_batch_size % (args.micro_train_batch_size * world):
-        fail(f"--train_batch_size {args.train_batch_size} is not a multiple of --micro_train_batch_size "
-             f"{args.micro_train_batch_size} x {world} processes")
-    zero = {"stage": args.zero_stage, "stage3_gather_16bit_weights_on_model_save": True,
-            "overlap_comm": args.overlap_comm}
-    if args.adam_offload:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    return {
-        "train_batch_size": args.train_batch_size,
-        "train_micro_batch_size_per_gpu": args.micro_train_batch_size,
-        "gradient_accumulation_steps": args.train_batch_size // (args.micro_train_batch_size * world),
-        "gradient_clipping": args.max_norm,
-        "zero_optimization": zero,
-        "bf16": {"enabled": args.bf16},
-        # each node's first process writes the files DeepSpeed otherwise writes on rank 0 alone (the model states
-        # of ZeRO 0-2, the client state), when --ckpt_path is a directory of each node's own
-        "checkpoint": {"use_node_local_storage": checkpoints_node_local(args)},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-
-
 _NODE_LOCAL = {}
 
 
 def checkpoints_node_local(args):
     """Whether --ckpt_path is storage of each node's own (a local disk) rather than one every rank shares, for a run
     that saves or loads checkpoints: every rank leaves a mark there, and a rank that misses one sees another disk.
-    Collective (every rank calls it, as ds_config); the answer is kept for the run."""
+    Collective (every rank calls it, as a script's ds_config); the answer is kept for the run."""
     world = dist.get_world_size()
     if world == 1 or not (args.save_steps > 0 or args.load_checkpoint):
         return False
@@ -358,33 +276,6 @@ def node_writer(args):
     if checkpoints_node_local(args):
         return int(os.environ.get("LOCAL_RANK", 0)) == 0
     return is_rank0()
-
-
-def setup_deepspeed(model, args, config, num_training_steps, learning_rate=None, name=None):
-    """AdamW (torch's fused kernel, CPU or GPU: no op to compile, and one pass over the states instead of one
-    per operation) at `learning_rate` (default --learning_rate) + warm-up/decay schedule, wrapped by a DeepSpeed
-    engine. `name` labels the line that says what it trains, where a script trains two models (ppo.py)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    lr = args.learning_rate if learning_rate is None else learning_rate
-    if args.adam_offload:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-        optimizer = DeepSpeedCPUAdam(params, lr=lr, betas=args.adam_betas, weight_decay=args.l2)
-    else:
-        optimizer = torch.optim.AdamW(params, lr=lr, betas=args.adam_betas, weight_decay=args.l2,
-                                      fused=True)
-    scheduler = transformers.get_scheduler(
-        args.lr_scheduler, optimizer, num_warmup_steps=int(args.lr_warmup_ratio * num_training_steps),
-        num_training_steps=num_training_steps,
-        scheduler_specific_kwargs={"min_lr_rate": 0.1} if args.lr_scheduler == "cosine_with_min_lr" else None,
-    )
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
-    if dist.get_world_size() == 1 and args.zero_stage == 0 and not args.bf16:
-        engine.enable_backward_allreduce = False  # one process: nothing to average; skips flattening every gradient
-    if is_rank0():
-        trained, total = trainable_share(model)
-        console.print(f"{name + ': ' if name else ''}training {trained:,} of {total:,} parameters "
-                      f"({100 * trained / total:.2f}%)")
-    return engine
 
 
 # ------------------------------------------------------------------------------------- model loading
@@ -493,20 +384,6 @@ def sampling_as_asked(model):
         model.generation_config = saved
 
 
-@torch.no_grad()
-def greedy_generate(model, prompts, tokenizer, max_new_tokens, synced=False):
-    """Greedy answers (text, special tokens skipped) to prompts given as token ids, left-padded in one batch (generation
-    appends on the right). `synced`: ZeRO-3 over several processes, where every rank runs every forward."""
-    batch = tokenizer.pad({"input_ids": [p.tolist() if torch.is_tensor(p) else p for p in prompts]},
-                          padding_side="left", return_attention_mask=True, return_tensors="pt")
-    ids, mask = batch["input_ids"].to(model.device), batch["attention_mask"].to(model.device)
-    with sampling_as_asked(model):  # greedy: no repetition penalty from generation_config.json
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                             synced_gpus=synced, use_cache=True)
-    return tokenizer.batch_decode(out[:, ids.size(1):], skip_special_tokens=True)
-
-
 def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.AutoModelForCausalLM, trainable=True,
                **kwargs):
     """from_pretrained with our flags; under ZeRO-3 the weights load already partitioned. A `trainable`
@@ -613,22 +490,6 @@ def on_accelerator(model, offloaded):
     yield model.to("cuda") if move else model
     if move:
         model.to("cpu")
-
-
-def enable_router_loss(model, coef):
-    """--aux_loss_coef: a mixture-of-experts model then returns its router load-balancing loss (aux_loss)."""
-    if not coef:
-        return
-    if not hasattr(model.config, "output_router_logits"):
-        fail(f"--aux_loss_coef: {model.config.model_type} is not a mixture-of-experts model (no router loss)")
-    model.config.output_router_logits = True
-
-
-def trainable_share(model):
-    """(trainable parameters, all parameters): what --lora_rank leaves to train."""
-    params = list(model.parameters())
-    count = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731  (ZeRO-3 partitions report their full size)
-    return sum(count(p) for p in params if p.requires_grad), sum(count(p) for p in params)
 
 
 def check_model_path(path):
@@ -748,19 +609,6 @@ def format_prompt(raw, tokenizer, args):
     return args.input_template.format(raw) if args.input_template else raw
 
 
-def train_batches(num_samples, args, start_step=0):
-    """Yield (step, epoch, micro-batches of sample indices for this rank), resumable at any step.
-    Each epoch is a seeded permutation, so the data position is just the step number."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    steps_per_epoch = num_samples // args.train_batch_size
-    for step in range(start_step, steps_per_epoch * args.max_epochs):
-        epoch, k = divmod(step, steps_per_epoch)
-        perm = torch.randperm(num_samples, generator=torch.Generator().manual_seed(args.seed + epoch))
-        mine = perm[k * args.train_batch_size:(k + 1) * args.train_batch_size][rank::world].tolist()
-        m = args.micro_train_batch_size
-        yield step, epoch, [mine[i:i + m] for i in range(0, len(mine), m)]
-
-
 def rank_share(items):
     """This rank's share of `items` (every world-th), and for each whether it is real. Every rank gets the
     same count (a ZeRO-3 forward needs all ranks): the shortfall is filled with items[0], marked
@@ -769,12 +617,6 @@ def rank_share(items):
     mine = list(range(rank, len(items), world))
     mine += [-1] * (-(-len(items) // world) - len(mine))
     return [items[max(j, 0)] for j in mine], [j >= 0 for j in mine]
-
-
-def eval_shard(items, batch_size):
-    """rank_share in batches of (items, real)."""
-    mine, real = rank_share(items)
-    return [(mine[i:i + batch_size], real[i:i + batch_size]) for i in range(0, len(mine), batch_size)]
 
 
 def batch_sequences(seqs, pad_value, packing):

@@ -37,10 +37,12 @@ import random
 import time
 
 import torch
+import torch.distributed as dist
+import transformers
 
 import common
+import deepspeed  # after common, which names DeepSpeed's accelerator first (else it guesses, with a warning)
 import rollout
-import sft
 
 LOSS_TYPES = ("gkd", "sampled")
 
@@ -89,15 +91,51 @@ def response_logits(model, pairs, pad_id, packing, vocab):
 
 
 # ------------------------------------------------------------------------------------------- rollout
+def tokenize_sample(record, tokenizer, args):
+    """-> (input_ids, labels) as 1-D LongTensors, labels -100 on every token that is not a response. sft.py's
+    tokenize_sample for a prompt and its reply (a copy: tests compare the two), without what distill.py never asks
+    of it (--multiturn, --pretrain_mode, the --max_len cut)."""
+    chat = args.apply_chat_template
+    prompt = common.format_prompt(record[args.input_key], tokenizer, args)
+    if chat:  # the template renders the assistant turn, eos included
+        messages = record[args.input_key] if isinstance(record[args.input_key], list) else [
+            {"role": "user", "content": record[args.input_key]}]
+        full = tokenizer.apply_chat_template(
+            messages + [{"role": "assistant", "content": record[args.output_key]}], tokenize=False)
+        if not full.startswith(prompt):
+            common.fail("the chat template renders the prompt differently once a reply follows")
+        # a reply is trained through the turn's stop token (eos), not what the template writes after it
+        reply, eos = full[len(prompt):], tokenizer.eos_token
+        cut = reply.rfind(eos) + len(eos) if eos in reply else len(reply)
+        pieces = [(text, trained) for text, trained in [(prompt, False), (reply[:cut], True), (reply[cut:], False)]
+                  if text]
+    else:
+        pieces = [(prompt, False), (str(record[args.output_key]), True)]
+    ids, labels, text = [], [], ""
+    for k, (piece, trained) in enumerate(pieces):
+        # A piece gets the tokens the whole text has there ("[/INST]46" is "4" "6" in a sentencepiece vocabulary,
+        # where "46" alone is "▁4" "6"), unless that would change the tokens before it (a merge across the
+        # boundary): then it is tokenized alone, keeping the prompt's tokens as generation sees them.
+        # Special tokens (bos) only where generation adds them too: before the prompt, without a template.
+        text += piece
+        whole = tokenizer(text, add_special_tokens=not chat)["input_ids"]
+        new = whole[len(ids):] if whole[:len(ids)] == ids else \
+            tokenizer(piece, add_special_tokens=k == 0 and not chat)["input_ids"]
+        ids += new
+        labels += new if trained else [-100] * len(new)
+    if not chat and (not ids or ids[-1] != tokenizer.eos_token_id):  # the model must learn to stop
+        ids, labels = ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
+    return torch.tensor(ids), torch.tensor(labels)
+
+
 def dataset_rollout(records, tokenizer, args):
     """The dataset's completions (--output_key, kept as each record's label) as a Rollout: the off-policy share,
-    tokenized as sft.py trains them (the tokens the whole text has there, through the stop token), at most
-    --generate_max_len of them."""
-    as_sft = argparse.Namespace(**{**vars(args), "pretrain_mode": False, "multiturn": False, "input_key": "input",
-                                   "output_key": "label", "max_len": 1 << 30})
+    tokenized as sft.py trains them (tokenize_sample: the tokens the whole text has there, through the stop token),
+    at most --generate_max_len of them."""
+    as_sample = argparse.Namespace(**{**vars(args), "input_key": "input", "output_key": "label"})
     responses = []
     for r in records:
-        ids, labels = sft.tokenize_sample(r, tokenizer, as_sft)
+        ids, labels = tokenize_sample(r, tokenizer, as_sample)
         responses.append(ids[labels != -100][:args.generate_max_len])
     return rollout.Rollout.of(records, responses, tokenizer.eos_token_id)
 
@@ -111,6 +149,119 @@ def check_same_tokenizer(student, teacher, path):
         if getattr(student, name) != getattr(teacher, name):
             common.fail(f"--teacher_pretrain {path}: its {name} is {getattr(teacher, name)}, the student's "
                         f"{getattr(student, name)}")
+
+
+# -------------------------------------------------------------------------------------------- DeepSpeed
+def ds_config(args):
+    """DeepSpeed's config from the flags: the global batch split into micro-batches per rank, ZeRO, bf16, clipping."""
+    world = dist.get_world_size()
+    if args.train_batch_size % (args.micro_train_batch_size * world):
+        common.fail(f"--train_batch_size {args.train_batch_size} is not a multiple of --micro_train_batch_size "
+                    f"{args.micro_train_batch_size} x {world} processes")
+    zero = {"stage": args.zero_stage, "stage3_gather_16bit_weights_on_model_save": True,
+            "overlap_comm": args.overlap_comm}
+    if args.adam_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_batch_size": args.train_batch_size,
+        "train_micro_batch_size_per_gpu": args.micro_train_batch_size,
+        "gradient_accumulation_steps": args.train_batch_size // (args.micro_train_batch_size * world),
+        "gradient_clipping": args.max_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": args.bf16},
+        # each node's first process writes the files DeepSpeed otherwise writes on rank 0 alone (the model states
+        # of ZeRO 0-2, the client state), when --ckpt_path is a directory of each node's own
+        "checkpoint": {"use_node_local_storage": common.checkpoints_node_local(args)},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def setup_deepspeed(model, args, config, num_training_steps):
+    """AdamW (torch's fused kernel, CPU or GPU: no op to compile, and one pass over the states instead of one
+    per operation) at --learning_rate + warm-up/decay schedule, wrapped by a DeepSpeed engine."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if args.adam_offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        optimizer = DeepSpeedCPUAdam(params, lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.l2)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.l2,
+                                      fused=True)
+    scheduler = transformers.get_scheduler(
+        args.lr_scheduler, optimizer, num_warmup_steps=int(args.lr_warmup_ratio * num_training_steps),
+        num_training_steps=num_training_steps,
+        scheduler_specific_kwargs={"min_lr_rate": 0.1} if args.lr_scheduler == "cosine_with_min_lr" else None,
+    )
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    if dist.get_world_size() == 1 and args.zero_stage == 0 and not args.bf16:
+        engine.enable_backward_allreduce = False  # one process: nothing to average; skips flattening every gradient
+    if common.is_rank0():  # what --lora_rank leaves to train (ZeRO-3 partitions report their full size as ds_numel)
+        count = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731
+        trained = sum(count(p) for p in model.parameters() if p.requires_grad)
+        total = sum(count(p) for p in model.parameters())
+        common.console.print(f"training {trained:,} of {total:,} parameters ({100 * trained / total:.2f}%)")
+    return engine
+
+
+# ------------------------------------------------------------------------------------------------- args
+def add_training_args(p: argparse.ArgumentParser):
+    """The flags every training script takes (OpenRLHF's names): model, data, optimizer, LoRA, DeepSpeed,
+    checkpoints, logging. Scripts set their own defaults; a copy in each training script (tests compare them)."""
+    a, ranged = p.add_argument, common.ranged
+    a("--pretrain", default=None, help="model: hub name or local path (default: the toy model)")
+    a("--dataset", default=None, help="hub name, directory, or .json/.jsonl/.parquet/.csv file (default: toy)")
+    a("--dataset_probs", default=None, help="with --dataset a,b: sampling weights of the mix, e.g. 0.7,0.3")
+    a("--dataset_split", default="train")
+    a("--eval_dataset", default=None, help="held-out data, same formats (default: toy test split)")
+    a("--eval_split", default="test")
+    a("--max_samples", type=ranged(int, 1), default=None, help="use at most this many training samples")
+    a("--max_len", type=ranged(int, 1), default=512, help="truncate sequences to this many tokens")
+    a("--input_key", default="input")
+    a("--apply_chat_template", action="store_true", help="wrap inputs with the tokenizer's chat template")
+    a("--tokenizer_chat_template", default=None, help="a Jinja chat template (text or file) replacing the tokenizer's")
+    a("--input_template", default=None, help='e.g. "User: {}\\nAssistant: "; ignored with the chat template')
+    a("--packing_samples", action="store_true", help="concatenate a micro-batch into one row, no padding")
+    a("--save_path", default=None, help="where the final Hugging Face directory goes (default: runs/<script>)")
+    a("--micro_train_batch_size", type=ranged(int, 1), default=8, help="per-device batch of one forward/backward")
+    a("--train_batch_size", type=ranged(int, 1), default=64, help="global batch of one optimizer step")
+    a("--max_epochs", type=ranged(int, 1), default=1)
+    a("--learning_rate", type=ranged(float, 0), default=1e-5)  # 0: the run's weights stay as loaded
+    a("--lr_warmup_ratio", type=ranged(float, 0, 1), default=0.03)
+    a("--lr_scheduler", default="cosine_with_min_lr", help="any transformers scheduler name")
+    a("--l2", type=ranged(float, 0), default=0.0, help="AdamW weight decay")
+    a("--adam_betas", type=ranged(float, 0, 1, hi_open=True), nargs=2, default=(0.9, 0.95))
+    a("--max_norm", type=ranged(float, 0), default=1.0, help="gradient clipping (0: none)")
+    a("--seed", type=int, default=42)
+    a("--overlap_comm", action="store_true", help="ZeRO: overlap gradient reduction with the backward pass")
+    # LoRA / QLoRA (peft)
+    a("--lora_rank", type=ranged(int, 0), default=0, help="train LoRA adapters of this rank, not the weights (0: off)")
+    a("--lora_alpha", type=ranged(int, 1), default=16, help="LoRA scale: the update is alpha/rank * B A")
+    a("--lora_dropout", type=ranged(float, 0, 1, hi_open=True), default=0.0)
+    a("--target_modules", nargs="+", default=["all-linear"],
+      help="layer names that get adapters (default: every linear layer but the output head)")
+    a("--load_in_4bit", action="store_true", help="QLoRA: 4-bit base weights (bitsandbytes; CUDA GPU only)")
+    # model loading
+    a("--bf16", action="store_true", help="bfloat16 weights and DeepSpeed bf16 mode")
+    a("--flash_attn", action="store_true", help="flash_attention_2 (needs the flash-attn package, GPU)")
+    a("--gradient_checkpointing", action="store_true")
+    a("--use_liger_kernel", action="store_true", help="Liger's Triton kernels (needs liger-kernel and a GPU)")
+    a("--trust_remote_code", action="store_true", help="run model code from the checkpoint (off by default)")
+    # DeepSpeed
+    a("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
+    a("--adam_offload", action="store_true", help="keep optimizer states on CPU (DeepSpeedCPUAdam)")
+    a("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    # checkpoints and logging
+    a("--save_steps", type=ranged(int, 1, also=[-1]), default=-1,
+      help="save a resumable checkpoint every N steps (-1: never)")
+    a("--ckpt_path", default=None, help="resumable checkpoints (default: <save_path>_checkpoints)")
+    a("--max_ckpt_num", type=ranged(int, 1), default=3, help="keep this many resumable checkpoints")
+    a("--load_checkpoint", action="store_true", help="resume from the latest checkpoint in --ckpt_path")
+    a("--logging_steps", type=ranged(int, 1), default=10)
+    a("--use_tensorboard", default=None, metavar="DIR", help="also log to TensorBoard in DIR")
+    a("--use_wandb", action="store_true", help="also log to Weights & Biases (WANDB_MODE=offline works)")
+    a("--wandb_project", default="rlhf-minimal")
+    a("--wandb_run_name", default=None)
+    return p
 
 
 # The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
@@ -135,7 +286,7 @@ DEFAULTS = {
 
 
 def parse_args():
-    parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser = add_training_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     rollout.add_rollout_args(parser, policy_gradient=False, rewards=False)
     a = parser.add_argument
     a("--teacher_pretrain", "--teacher_model", dest="teacher_pretrain", help="the teacher (frozen)")
@@ -178,10 +329,10 @@ def main():
     # (with --output_key a record without it stops the run naming the file and line)
     prompts, eval_prompts, total_steps = rollout.load_prompt_sets(args, tokenizer, 1)
     updates = args.rollout_batch_size // args.train_batch_size * args.max_epochs
-    cfg = common.ds_config(args)
+    cfg = ds_config(args)
     model = common.load_model(args.pretrain, args, tokenizer, cfg)
     common.disable_dropout(model)
-    student = common.setup_deepspeed(model, args, cfg, total_steps * updates)
+    student = setup_deepspeed(model, args, cfg, total_steps * updates)
     teacher = common.load_frozen(args.teacher_pretrain, args, tokenizer, cfg, args.teacher_offload)
     offloaded = args.teacher_offload and args.zero_stage != 3
     start_step, state = common.load_checkpoint(student, args)

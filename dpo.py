@@ -1,6 +1,6 @@
 """Direct preference optimisation (DPO): move the policy toward the chosen response of each preference pair and away
 from the rejected one, measured against a frozen reference; no reward model, no sampling. Online DPO (pairs of the
-policy's own samples, ranked by a reward) is online_dpo.py, built on this file's loss.
+policy's own samples, ranked by a reward) is online_dpo.py, with its own copy of this file's loss.
 
     python dpo.py --pretrain runs/sft_short                                       # toy world: the toy pairs
     deepspeed --num_gpus 8 dpo.py --pretrain ckpt/sft --dataset prefs.jsonl --input_key prompt \\
@@ -30,8 +30,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transformers
 
 import common
+import deepspeed  # after common, which names DeepSpeed's accelerator first (else it guesses, with a warning)
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
@@ -126,54 +128,44 @@ def reference_logps(reference, pairs, layout, filler, pad_id, packing):
     return ref_logps
 
 
-def train_on_pairs(actor, pairs, ref_logps, layout, counts, filler, pad_id, args, epochs=1, pair_scores=None):
-    """`epochs` passes over the pairs (shuffled after the first), each len(layout) optimizer steps of micro-batches
-    (layout: micro_batches'; counts: each optimizer step's pairs on all ranks). A micro-batch's mean loss counts by
-    its share of its optimizer step's pairs, so each step's gradient is that of the mean over the pairs it has on
-    all ranks (DeepSpeed averages micro-batches and ranks). -> per-pair stats from the first pass (before any of its
-    optimizer steps when there is one); with pair_scores (online DPO's [P, 2]) also open-instruct's objective/kl and
-    objective/rlhf_reward per sampled response."""
+def train_on_pairs(actor, pairs, ref_logps, layout, counts, filler, pad_id, args):
+    """One pass over the pairs: len(layout) optimizer steps of micro-batches (layout: micro_batches'; counts: each
+    optimizer step's pairs on all ranks). A micro-batch's mean loss counts by its share of its optimizer step's
+    pairs, so each step's gradient is that of the mean over the pairs it has on all ranks (DeepSpeed averages
+    micro-batches and ranks). -> per-pair stats, of the policy before its optimizer step."""
     gas, world = len(layout[0]), dist.get_world_size()
     stats = {k: [] for k in ("objective/loss", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected",
                              "rewards/margin", "rewards/accuracy", *(["nll_loss"] if args.nll_loss_coef else []),
-                             *(["aux_loss"] if args.aux_loss_coef else []),
-                             *(["objective/kl", "objective/rlhf_reward"] if pair_scores is not None else []))}
-    for epoch in range(epochs):
-        order = torch.randperm(len(pairs)).tolist() if epoch else list(range(len(pairs)))
-        for update, count in zip(layout, counts):
-            if not count:  # not a pair on any rank: no optimizer step
+                             *(["aux_loss"] if args.aux_loss_coef else []))}
+    for update, count in zip(layout, counts):
+        if not count:  # not a pair on any rank: no optimizer step
+            continue
+        for idx in update:
+            chosen, rejected, chosen_len, rejected_len, aux_loss = pair_logps(
+                actor, [pairs[i] for i in idx] or [filler], pad_id, args.packing_samples)  # [b] each
+            ref_chosen, ref_rejected = (ref_logps[idx] if idx else torch.zeros(1, 2)).to(chosen).unbind(-1)
+            loss, chosen_rewards, rejected_rewards = pairs_loss(chosen, rejected, ref_chosen, ref_rejected,
+                                                                chosen_len, rejected_len, args)
+            nll = (-chosen / chosen_len).mean()  # the chosen responses' per-token NLL, a mean over pairs
+            total = loss + args.nll_loss_coef * nll if args.nll_loss_coef else loss
+            total = total * (len(idx) * gas * world / count)  # 0 for a filler
+            if args.aux_loss_coef:  # a mixture of experts' router loss, of every forward (a filler's too)
+                total = total + args.aux_loss_coef * aux_loss
+            actor.backward(total)
+            actor.step()
+            if not idx:
                 continue
-            for mb in update:
-                idx = [order[i] for i in mb]
-                chosen, rejected, chosen_len, rejected_len, aux_loss = pair_logps(
-                    actor, [pairs[i] for i in idx] or [filler], pad_id, args.packing_samples)  # [b] each
-                ref_chosen, ref_rejected = (ref_logps[idx] if idx else torch.zeros(1, 2)).to(chosen).unbind(-1)
-                loss, chosen_rewards, rejected_rewards = pairs_loss(chosen, rejected, ref_chosen, ref_rejected,
-                                                                    chosen_len, rejected_len, args)
-                nll = (-chosen / chosen_len).mean()  # the chosen responses' per-token NLL, a mean over pairs
-                total = loss + args.nll_loss_coef * nll if args.nll_loss_coef else loss
-                total = total * (len(idx) * gas * world / count)  # 0 for a filler
-                if args.aux_loss_coef:  # a mixture of experts' router loss, of every forward (a filler's too)
-                    total = total + args.aux_loss_coef * aux_loss
-                actor.backward(total)
-                actor.step()
-                if epoch or not idx:
-                    continue
-                stats["objective/loss"] += [loss.item()] * len(idx)
-                stats["logps/chosen"] += chosen.tolist()
-                stats["logps/rejected"] += rejected.tolist()
-                stats["rewards/chosen"] += chosen_rewards.tolist()
-                stats["rewards/rejected"] += rejected_rewards.tolist()
-                stats["rewards/margin"] += (chosen_rewards - rejected_rewards).tolist()
-                stats["rewards/accuracy"] += (chosen_rewards > rejected_rewards).float().tolist()
-                if args.nll_loss_coef:
-                    stats["nll_loss"] += [nll.item()] * len(idx)
-                if args.aux_loss_coef:
-                    stats["aux_loss"].append(aux_loss.item())
-                if pair_scores is not None:  # open-instruct's objective per sampled response: the score - beta * KL
-                    kl = torch.stack([chosen - ref_chosen, rejected - ref_rejected], -1).detach()  # [b, 2]
-                    stats["objective/kl"] += kl.flatten().tolist()
-                    stats["objective/rlhf_reward"] += (pair_scores[idx].to(kl) - args.beta * kl).flatten().tolist()
+            stats["objective/loss"] += [loss.item()] * len(idx)
+            stats["logps/chosen"] += chosen.tolist()
+            stats["logps/rejected"] += rejected.tolist()
+            stats["rewards/chosen"] += chosen_rewards.tolist()
+            stats["rewards/rejected"] += rejected_rewards.tolist()
+            stats["rewards/margin"] += (chosen_rewards - rejected_rewards).tolist()
+            stats["rewards/accuracy"] += (chosen_rewards > rejected_rewards).float().tolist()
+            if args.nll_loss_coef:
+                stats["nll_loss"] += [nll.item()] * len(idx)
+            if args.aux_loss_coef:
+                stats["aux_loss"].append(aux_loss.item())
     return stats
 
 
@@ -261,12 +253,50 @@ def load_pairs(source, split, tokenizer, args, max_samples=None, probs=None):
     return pairs, answers
 
 
+def train_batches(num_samples, args, start_step=0):
+    """Yield (step, epoch, micro-batches of sample indices for this rank), resumable at any step.
+    Each epoch is a seeded permutation, so the data position is just the step number."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps_per_epoch = num_samples // args.train_batch_size
+    for step in range(start_step, steps_per_epoch * args.max_epochs):
+        epoch, k = divmod(step, steps_per_epoch)
+        perm = torch.randperm(num_samples, generator=torch.Generator().manual_seed(args.seed + epoch))
+        mine = perm[k * args.train_batch_size:(k + 1) * args.train_batch_size][rank::world].tolist()
+        m = args.micro_train_batch_size
+        yield step, epoch, [mine[i:i + m] for i in range(0, len(mine), m)]
+
+
 # ---------------------------------------------------------------------------------------------- eval
+def eval_shard(items, batch_size):
+    """This rank's share of `items` (every world-th) in batches of (items, real). Every rank gets the same count (a
+    ZeRO-3 forward needs all ranks): the shortfall is filled with items[0], marked real=False, which the caller runs
+    but does not count."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = list(range(rank, len(items), world))
+    mine += [-1] * (-(-len(items) // world) - len(mine))
+    shard, real = [items[max(j, 0)] for j in mine], [j >= 0 for j in mine]
+    return [(shard[i:i + batch_size], real[i:i + batch_size]) for i in range(0, len(shard), batch_size)]
+
+
+@torch.no_grad()
+def greedy_generate(model, prompts, tokenizer, max_new_tokens, synced=False):
+    """Greedy answers (text, special tokens skipped) to prompts given as token-id tensors, left-padded in one batch
+    (generation appends on the right). `synced`: ZeRO-3 over several processes, where every rank runs every forward."""
+    batch = tokenizer.pad({"input_ids": [p.tolist() for p in prompts]}, padding_side="left",
+                          return_attention_mask=True, return_tensors="pt")
+    ids, mask = batch["input_ids"].to(model.device), batch["attention_mask"].to(model.device)
+    with common.sampling_as_asked(model):  # greedy: no repetition penalty from generation_config.json
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                             synced_gpus=synced, use_cache=True)
+    return tokenizer.batch_decode(out[:, ids.size(1):], skip_special_tokens=True)
+
+
 @torch.no_grad()
 def evaluate_pairs(model, reference, pairs, answers, tokenizer, args):
     """Offline: DPO's implicit reward on held-out pairs, accuracy (chosen's higher) and margin, the loss and the
     log-probs; and the exact match of greedy answers with the chosen response on the first --eval_generate_samples."""
-    shards = common.eval_shard(pairs, args.micro_train_batch_size)  # fillers: run, not counted
+    shards = eval_shard(pairs, args.micro_train_batch_size)  # fillers: run, not counted
     with reference() as ref:  # one pass each: an offloaded reference moves once, adapters switch off once
         refs = [pair_logps(ref, batch, tokenizer.pad_token_id, False) for batch, _ in shards]
     stats = {k: [] for k in ("loss", "accuracy", "margin", "logps/chosen", "logps/rejected")}
@@ -284,18 +314,138 @@ def evaluate_pairs(model, reference, pairs, answers, tokenizer, args):
         stats["logps/chosen"] += picked[0].tolist()
         stats["logps/rejected"] += picked[1].tolist()
     stats["exact_match"] = []
-    for batch, real in common.eval_shard(list(zip(pairs, answers))[:max(args.eval_generate_samples, 0)],
-                                         args.micro_train_batch_size):
-        texts = common.greedy_generate(model, [p for (p, _, _), _ in batch], tokenizer, args.generate_max_len,
-                                       synced=args.zero_stage == 3 and dist.get_world_size() > 1)
+    for batch, real in eval_shard(list(zip(pairs, answers))[:max(args.eval_generate_samples, 0)],
+                                  args.micro_train_batch_size):
+        texts = greedy_generate(model, [p for (p, _, _), _ in batch], tokenizer, args.generate_max_len,
+                                synced=args.zero_stage == 3 and dist.get_world_size() > 1)
         stats["exact_match"] += [float(text.strip() == answer.strip()) for (_, answer), text, keep in
                                  zip(batch, texts, real) if keep]
     return common.all_reduce_means(stats)
 
 
+# --------------------------------------------------------------------------- the model and DeepSpeed
+def enable_router_loss(model, coef):
+    """--aux_loss_coef: a mixture-of-experts model then returns its router load-balancing loss (aux_loss)."""
+    if not coef:
+        return
+    if not hasattr(model.config, "output_router_logits"):
+        common.fail(f"--aux_loss_coef: {model.config.model_type} is not a mixture-of-experts model (no router loss)")
+    model.config.output_router_logits = True
+
+
+def ds_config(args):
+    """DeepSpeed's config from the flags: global and per-device batch (hence gradient accumulation), ZeRO, bf16."""
+    world = dist.get_world_size()
+    if args.train_batch_size % (args.micro_train_batch_size * world):
+        common.fail(f"--train_batch_size {args.train_batch_size} is not a multiple of --micro_train_batch_size "
+                    f"{args.micro_train_batch_size} x {world} processes")
+    zero = {"stage": args.zero_stage, "stage3_gather_16bit_weights_on_model_save": True,
+            "overlap_comm": args.overlap_comm}
+    if args.adam_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_batch_size": args.train_batch_size,
+        "train_micro_batch_size_per_gpu": args.micro_train_batch_size,
+        "gradient_accumulation_steps": args.train_batch_size // (args.micro_train_batch_size * world),
+        "gradient_clipping": args.max_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": args.bf16},
+        # each node's first process writes the files DeepSpeed otherwise writes on rank 0 alone (the model states
+        # of ZeRO 0-2, the client state), when --ckpt_path is a directory of each node's own
+        "checkpoint": {"use_node_local_storage": common.checkpoints_node_local(args)},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def setup_deepspeed(model, args, config, num_training_steps):
+    """AdamW (torch's fused kernel, CPU or GPU: no op to compile, and one pass over the states instead of one
+    per operation) at --learning_rate + warm-up/decay schedule, wrapped by a DeepSpeed engine."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if args.adam_offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        optimizer = DeepSpeedCPUAdam(params, lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.l2)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.l2,
+                                      fused=True)
+    scheduler = transformers.get_scheduler(
+        args.lr_scheduler, optimizer, num_warmup_steps=int(args.lr_warmup_ratio * num_training_steps),
+        num_training_steps=num_training_steps,
+        scheduler_specific_kwargs={"min_lr_rate": 0.1} if args.lr_scheduler == "cosine_with_min_lr" else None,
+    )
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    if dist.get_world_size() == 1 and args.zero_stage == 0 and not args.bf16:
+        engine.enable_backward_allreduce = False  # one process: nothing to average; skips flattening every gradient
+    if common.is_rank0():  # what --lora_rank leaves to train; ZeRO-3 partitions report their full size as ds_numel
+        sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+        trained, total = sum(n for n, grad in sizes if grad), sum(n for n, _ in sizes)
+        common.console.print(f"training {trained:,} of {total:,} parameters ({100 * trained / total:.2f}%)")
+    return engine
+
+
 # ---------------------------------------------------------------------------------------------- main
+def add_training_args(p: argparse.ArgumentParser):
+    """The flags every training script takes (OpenRLHF's names): model, data, optimizer, LoRA, DeepSpeed, checkpoints,
+    logging. Scripts set their own defaults; a copy in each training script (tests compare them)."""
+    a, ranged = p.add_argument, common.ranged
+    a("--pretrain", default=None, help="model: hub name or local path (default: the toy model)")
+    a("--dataset", default=None, help="hub name, directory, or .json/.jsonl/.parquet/.csv file (default: toy)")
+    a("--dataset_probs", default=None, help="with --dataset a,b: sampling weights of the mix, e.g. 0.7,0.3")
+    a("--dataset_split", default="train")
+    a("--eval_dataset", default=None, help="held-out data, same formats (default: toy test split)")
+    a("--eval_split", default="test")
+    a("--max_samples", type=ranged(int, 1), default=None, help="use at most this many training samples")
+    a("--max_len", type=ranged(int, 1), default=512, help="truncate sequences to this many tokens")
+    a("--input_key", default="input")
+    a("--apply_chat_template", action="store_true", help="wrap inputs with the tokenizer's chat template")
+    a("--tokenizer_chat_template", default=None, help="a Jinja chat template (text or file) replacing the tokenizer's")
+    a("--input_template", default=None, help='e.g. "User: {}\\nAssistant: "; ignored with the chat template')
+    a("--packing_samples", action="store_true", help="concatenate a micro-batch into one row, no padding")
+    a("--save_path", default=None, help="where the final Hugging Face directory goes (default: runs/<script>)")
+    a("--micro_train_batch_size", type=ranged(int, 1), default=8, help="per-device batch of one forward/backward")
+    a("--train_batch_size", type=ranged(int, 1), default=64, help="global batch of one optimizer step")
+    a("--max_epochs", type=ranged(int, 1), default=1)
+    a("--learning_rate", type=ranged(float, 0), default=1e-5)  # 0: the run's weights stay as loaded
+    a("--lr_warmup_ratio", type=ranged(float, 0, 1), default=0.03)
+    a("--lr_scheduler", default="cosine_with_min_lr", help="any transformers scheduler name")
+    a("--l2", type=ranged(float, 0), default=0.0, help="AdamW weight decay")
+    a("--adam_betas", type=ranged(float, 0, 1, hi_open=True), nargs=2, default=(0.9, 0.95))
+    a("--max_norm", type=ranged(float, 0), default=1.0, help="gradient clipping (0: none)")
+    a("--seed", type=int, default=42)
+    a("--overlap_comm", action="store_true", help="ZeRO: overlap gradient reduction with the backward pass")
+    # LoRA / QLoRA (peft)
+    a("--lora_rank", type=ranged(int, 0), default=0, help="train LoRA adapters of this rank, not the weights (0: off)")
+    a("--lora_alpha", type=ranged(int, 1), default=16, help="LoRA scale: the update is alpha/rank * B A")
+    a("--lora_dropout", type=ranged(float, 0, 1, hi_open=True), default=0.0)
+    a("--target_modules", nargs="+", default=["all-linear"],
+      help="layer names that get adapters (default: every linear layer but the output head)")
+    a("--load_in_4bit", action="store_true", help="QLoRA: 4-bit base weights (bitsandbytes; CUDA GPU only)")
+    # model loading
+    a("--bf16", action="store_true", help="bfloat16 weights and DeepSpeed bf16 mode")
+    a("--flash_attn", action="store_true", help="flash_attention_2 (needs the flash-attn package, GPU)")
+    a("--gradient_checkpointing", action="store_true")
+    a("--use_liger_kernel", action="store_true", help="Liger's Triton kernels (needs liger-kernel and a GPU)")
+    a("--trust_remote_code", action="store_true", help="run model code from the checkpoint (off by default)")
+    # DeepSpeed
+    a("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
+    a("--adam_offload", action="store_true", help="keep optimizer states on CPU (DeepSpeedCPUAdam)")
+    a("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    # checkpoints and logging
+    a("--save_steps", type=ranged(int, 1, also=[-1]), default=-1,
+      help="save a resumable checkpoint every N steps (-1: never)")
+    a("--ckpt_path", default=None, help="resumable checkpoints (default: <save_path>_checkpoints)")
+    a("--max_ckpt_num", type=ranged(int, 1), default=3, help="keep this many resumable checkpoints")
+    a("--load_checkpoint", action="store_true", help="resume from the latest checkpoint in --ckpt_path")
+    a("--logging_steps", type=ranged(int, 1), default=10)
+    a("--use_tensorboard", default=None, metavar="DIR", help="also log to TensorBoard in DIR")
+    a("--use_wandb", action="store_true", help="also log to Weights & Biases (WANDB_MODE=offline works)")
+    a("--wandb_project", default="rlhf-minimal")
+    a("--wandb_run_name", default=None)
+    return p
+
+
 def add_dpo_args(parser):
-    """The objective's and the reference's flags, dpo.py's and online_dpo.py's."""
+    """The objective's and the reference's flags (online_dpo.py has a copy)."""
     a = parser.add_argument
     a("--beta", type=common.ranged(float, 0, lo_open=True), default=0.1,
       help="the KL strength: implicit reward = beta * (log pi - log pi_ref)")
@@ -348,7 +498,7 @@ DEFAULTS = {
 
 
 def parse_args():
-    parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser = add_training_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     add_dpo_args(parser)
     a = parser.add_argument
     a("--chosen_key", default="chosen")
@@ -379,14 +529,14 @@ def main():
     if len(train) < args.train_batch_size:
         common.fail(f"{args.dataset}: {len(train)} pairs, fewer than --train_batch_size {args.train_batch_size}")
     total_steps = len(train) // args.train_batch_size * args.max_epochs  # a step: one optimizer step
-    cfg = common.ds_config(args)
+    cfg = ds_config(args)
     model = common.load_model(args.pretrain, args, tokenizer, cfg)
-    common.enable_router_loss(model, args.aux_loss_coef)
+    enable_router_loss(model, args.aux_loss_coef)
     common.disable_dropout(model)  # the policy and the reference compared as the same function
-    actor = common.setup_deepspeed(model, args, cfg, total_steps)
+    actor = setup_deepspeed(model, args, cfg, total_steps)
     reference = load_reference(actor, args, tokenizer, cfg)
     start_step, _ = common.load_checkpoint(actor, args)
-    batches = common.train_batches(len(train), args, start_step)
+    batches = train_batches(len(train), args, start_step)
 
     def evaluate():
         actor.module.eval()

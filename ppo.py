@@ -32,8 +32,9 @@ import math
 import time
 
 import torch
+import torch.distributed as dist
 from torch.nn.utils.rnn import pad_sequence
-from transformers import AutoConfig, AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModelForSequenceClassification, get_scheduler
 
 import common
 import deepspeed  # after common, which names DeepSpeed's accelerator first (else it guesses, with a warning)
@@ -156,10 +157,74 @@ def load_critic(path, args, tokenizer, cfg, num_training_steps):
                               num_labels=1)
     common.disable_dropout(model)
     init_value_head(model, path, args)
-    return common.setup_deepspeed(model, args, cfg, num_training_steps, learning_rate=args.critic_learning_rate,
-                                  name="critic")
+    return setup_deepspeed(model, args, cfg, num_training_steps, learning_rate=args.critic_learning_rate,
+                           name="critic")
 
 
+# ----------------------------------------------------------------------------------- model and DeepSpeed
+def enable_router_loss(model, coef):
+    """--aux_loss_coef: a mixture-of-experts model then returns its router load-balancing loss (aux_loss)."""
+    if not coef:
+        return
+    if not hasattr(model.config, "output_router_logits"):
+        common.fail(f"--aux_loss_coef: {model.config.model_type} is not a mixture-of-experts model (no router loss)")
+    model.config.output_router_logits = True
+
+
+def ds_config(args):
+    """DeepSpeed's config from the flags: batch sizes and accumulation, clipping, ZeRO, bf16. A copy in each training
+    script (tests compare them)."""
+    world = dist.get_world_size()
+    if args.train_batch_size % (args.micro_train_batch_size * world):
+        common.fail(f"--train_batch_size {args.train_batch_size} is not a multiple of --micro_train_batch_size "
+                    f"{args.micro_train_batch_size} x {world} processes")
+    zero = {"stage": args.zero_stage, "stage3_gather_16bit_weights_on_model_save": True,
+            "overlap_comm": args.overlap_comm}
+    if args.adam_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_batch_size": args.train_batch_size,
+        "train_micro_batch_size_per_gpu": args.micro_train_batch_size,
+        "gradient_accumulation_steps": args.train_batch_size // (args.micro_train_batch_size * world),
+        "gradient_clipping": args.max_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": args.bf16},
+        # each node's first process writes the files DeepSpeed otherwise writes on rank 0 alone (the model states
+        # of ZeRO 0-2, the client state), when --ckpt_path is a directory of each node's own
+        "checkpoint": {"use_node_local_storage": common.checkpoints_node_local(args)},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def setup_deepspeed(model, args, config, num_training_steps, learning_rate=None, name=None):
+    """AdamW (torch's fused kernel, CPU or GPU: no op to compile, and one pass over the states instead of one
+    per operation) at `learning_rate` (default --learning_rate) + warm-up/decay schedule, wrapped by a DeepSpeed
+    engine. `name` labels the line that says what it trains (the actor, the critic)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    lr = args.learning_rate if learning_rate is None else learning_rate
+    if args.adam_offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        optimizer = DeepSpeedCPUAdam(params, lr=lr, betas=args.adam_betas, weight_decay=args.l2)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=lr, betas=args.adam_betas, weight_decay=args.l2, fused=True)
+    scheduler = get_scheduler(
+        args.lr_scheduler, optimizer, num_warmup_steps=int(args.lr_warmup_ratio * num_training_steps),
+        num_training_steps=num_training_steps,
+        scheduler_specific_kwargs={"min_lr_rate": 0.1} if args.lr_scheduler == "cosine_with_min_lr" else None,
+    )
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    if dist.get_world_size() == 1 and args.zero_stage == 0 and not args.bf16:
+        engine.enable_backward_allreduce = False  # one process: nothing to average; skips flattening every gradient
+    if common.is_rank0():  # what --lora_rank leaves to train (a ZeRO-3 partition reports its full size as ds_numel)
+        sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+        trained, total = sum(size for size, grad in sizes if grad), sum(size for size, _ in sizes)
+        common.console.print(f"{name + ': ' if name else ''}training {trained:,} of {total:,} parameters "
+                             f"({100 * trained / total:.2f}%)")
+    return engine
+
+
+# ------------------------------------------------------------------------------------------------- flags
 # The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
 # (common.parse_args; "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_short and
 # runs/rm with --normalize_reward (README).
@@ -180,8 +245,68 @@ DEFAULTS = {
 }
 
 
+def add_training_args(p: argparse.ArgumentParser):
+    """The flags every training script takes (OpenRLHF's names): model, data, optimizer, LoRA, DeepSpeed, checkpoints,
+    logging. Scripts set their own defaults; a copy in each training script (tests compare them)."""
+    a, ranged = p.add_argument, common.ranged
+    a("--pretrain", default=None, help="model: hub name or local path (default: the toy model)")
+    a("--dataset", default=None, help="hub name, directory, or .json/.jsonl/.parquet/.csv file (default: toy)")
+    a("--dataset_probs", default=None, help="with --dataset a,b: sampling weights of the mix, e.g. 0.7,0.3")
+    a("--dataset_split", default="train")
+    a("--eval_dataset", default=None, help="held-out data, same formats (default: toy test split)")
+    a("--eval_split", default="test")
+    a("--max_samples", type=ranged(int, 1), default=None, help="use at most this many training samples")
+    a("--max_len", type=ranged(int, 1), default=512, help="truncate sequences to this many tokens")
+    a("--input_key", default="input")
+    a("--apply_chat_template", action="store_true", help="wrap inputs with the tokenizer's chat template")
+    a("--tokenizer_chat_template", default=None, help="a Jinja chat template (text or file) replacing the tokenizer's")
+    a("--input_template", default=None, help='e.g. "User: {}\\nAssistant: "; ignored with the chat template')
+    a("--packing_samples", action="store_true", help="concatenate a micro-batch into one row, no padding")
+    a("--save_path", default=None, help="where the final Hugging Face directory goes (default: runs/<script>)")
+    a("--micro_train_batch_size", type=ranged(int, 1), default=8, help="per-device batch of one forward/backward")
+    a("--train_batch_size", type=ranged(int, 1), default=64, help="global batch of one optimizer step")
+    a("--max_epochs", type=ranged(int, 1), default=1)
+    a("--learning_rate", type=ranged(float, 0), default=1e-5)  # 0: the run's weights stay as loaded
+    a("--lr_warmup_ratio", type=ranged(float, 0, 1), default=0.03)
+    a("--lr_scheduler", default="cosine_with_min_lr", help="any transformers scheduler name")
+    a("--l2", type=ranged(float, 0), default=0.0, help="AdamW weight decay")
+    a("--adam_betas", type=ranged(float, 0, 1, hi_open=True), nargs=2, default=(0.9, 0.95))
+    a("--max_norm", type=ranged(float, 0), default=1.0, help="gradient clipping (0: none)")
+    a("--seed", type=int, default=42)
+    a("--overlap_comm", action="store_true", help="ZeRO: overlap gradient reduction with the backward pass")
+    # LoRA / QLoRA (peft)
+    a("--lora_rank", type=ranged(int, 0), default=0, help="train LoRA adapters of this rank, not the weights (0: off)")
+    a("--lora_alpha", type=ranged(int, 1), default=16, help="LoRA scale: the update is alpha/rank * B A")
+    a("--lora_dropout", type=ranged(float, 0, 1, hi_open=True), default=0.0)
+    a("--target_modules", nargs="+", default=["all-linear"],
+      help="layer names that get adapters (default: every linear layer but the output head)")
+    a("--load_in_4bit", action="store_true", help="QLoRA: 4-bit base weights (bitsandbytes; CUDA GPU only)")
+    # model loading
+    a("--bf16", action="store_true", help="bfloat16 weights and DeepSpeed bf16 mode")
+    a("--flash_attn", action="store_true", help="flash_attention_2 (needs the flash-attn package, GPU)")
+    a("--gradient_checkpointing", action="store_true")
+    a("--use_liger_kernel", action="store_true", help="Liger's Triton kernels (needs liger-kernel and a GPU)")
+    a("--trust_remote_code", action="store_true", help="run model code from the checkpoint (off by default)")
+    # DeepSpeed
+    a("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
+    a("--adam_offload", action="store_true", help="keep optimizer states on CPU (DeepSpeedCPUAdam)")
+    a("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    # checkpoints and logging
+    a("--save_steps", type=ranged(int, 1, also=[-1]), default=-1,
+      help="save a resumable checkpoint every N steps (-1: never)")
+    a("--ckpt_path", default=None, help="resumable checkpoints (default: <save_path>_checkpoints)")
+    a("--max_ckpt_num", type=ranged(int, 1), default=3, help="keep this many resumable checkpoints")
+    a("--load_checkpoint", action="store_true", help="resume from the latest checkpoint in --ckpt_path")
+    a("--logging_steps", type=ranged(int, 1), default=10)
+    a("--use_tensorboard", default=None, metavar="DIR", help="also log to TensorBoard in DIR")
+    a("--use_wandb", action="store_true", help="also log to Weights & Biases (WANDB_MODE=offline works)")
+    a("--wandb_project", default="rlhf-minimal")
+    a("--wandb_run_name", default=None)
+    return p
+
+
 def parse_args():
-    parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser = add_training_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     rollout.add_rollout_args(parser)
     a = parser.add_argument
     # models and rewards
@@ -234,11 +359,11 @@ def main():
     prompts, eval_prompts, total_steps = rollout.load_prompt_sets(args, tokenizer, n)
     samples_per_step = args.rollout_batch_size * n
     updates = samples_per_step // args.train_batch_size * args.max_epochs * total_steps
-    cfg = common.ds_config(args)
+    cfg = ds_config(args)
     model = common.load_model(args.pretrain, args, tokenizer, cfg)
-    common.enable_router_loss(model, args.aux_loss_coef)
+    enable_router_loss(model, args.aux_loss_coef)
     common.disable_dropout(model)
-    actor = common.setup_deepspeed(model, args, cfg, updates, name="actor")
+    actor = setup_deepspeed(model, args, cfg, updates, name="actor")
     critic = load_critic(args.critic_pretrain or args.reward_pretrain or args.pretrain, args, tokenizer, cfg, updates)
     offload = args.ref_reward_offload  # whole frozen models on the CPU (partitions under ZeRO-3), moved for each use
     ref = common.load_frozen(args.pretrain, args, tokenizer, cfg, offload) if args.init_kl_coef > 0 else None

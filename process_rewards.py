@@ -1,8 +1,8 @@
 """Process rewards: a step-by-step judge's scores as dense rewards in grpo.py and ppo.py (--process_rewards), and a
 process reward model (prm.py's output) as a reward source at all (--reward_pretrain runs/prm). Imported only then.
 
-The step contract. A completion's steps are the pieces of its text (prm.completion_text: decoded, the special tokens'
-text removed; serve_rm.py reads a query's completion by the same function, so a judge must know the policy's special
+The step contract. A completion's steps are the pieces of its text (completion_text: decoded, the special tokens'
+text removed; prm.py and serve_rm.py hold the same function, so a judge must know the policy's special
 tokens, as a PRM trained from the policy does) between occurrences of --step_separator (default a newline), empty or
 blank pieces not counted; a completion in which the separator never occurs (or with no text at all) is one step. A
 placeholder the policy wrote is text like any other here (a judge drops it before adding its own). A step ends at the
@@ -15,9 +15,9 @@ A reward source gives one score per step next to the per-sample reward:
     {"rewards": [...], "step_rewards": [[score of step 1, step 2, ...], ...]}
 from a reward_func file (your code) or a /get_reward server (serve_rm.py --rm_type prm sends them); or a local
 prm.py model (--reward_pretrain) scores them: the completion gets the PRM's placeholder after each step, as prm.py's
-data has it ("07+45=52 ки\\n52+08=60 ки"), and the step score is P(good) at each placeholder (prm.step_probabilities,
-the scorer serve_rm.py uses too). Scores travel as a rollout's step_rewards: ([N, R] each step's score on the token
-that ends it, [N, R] bool the step ends).
+data has it ("07+45=52 ки\\n52+08=60 ки"), and the step score is P(good) at each placeholder (step_probabilities,
+prm.py's scorer; serve_rm.py has it too). Scores travel as a rollout's step_rewards: ([N, R] each step's score on the
+token that ends it, [N, R] bool the step ends).
 
 What the scripts do with them: ppo.py puts each step's score on the token that ends it (Math-Shepherd), grpo.py
 normalizes them per group (grpo.process_advantages, DeepSeekMath). The source's per-sample rewards are logged (and
@@ -31,16 +31,52 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import common
-import prm
 import rollout
 from common import fail
+
+
+# The step contract's pieces: copies of prm.py's (tests compare them), so that the trainer, a local PRM judge, prm.py
+# and serve_rm.py read the same steps.
+REDUCE = {"min": min, "last": lambda s: s[-1], "mean": lambda s: sum(s) / len(s)}  # --prm_reduce: steps -> one reward
+
+
+def steps_of(text, separator):
+    """The steps of a solution's text: its pieces between separators, blank pieces not counted, at least one (the
+    whole text). -> (the indices of the step pieces, the pieces)."""
+    pieces = text.split(separator)
+    steps = [i for i, p in enumerate(pieces) if p.strip()]
+    return steps or [len(pieces) - 1], pieces
+
+
+def completion_text(text, tokenizer):
+    """What the step contract reads of a completion: its text decoded with the special tokens kept (as a /get_reward
+    query carries it), every special token's text removed. A BOS or EOS the policy wrote inside a completion, its
+    stop token and pads are no step: the trainer (step_ends), a local PRM judge and serve_rm.py all read the steps
+    of this text, so they count the same steps."""
+    specials = set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()
+                                                    if t.special}
+    for token in sorted(specials, key=len, reverse=True):  # "<|im_end|>" before a shorter token inside it
+        text = text.replace(token, "")
+    return text
+
+
+def with_placeholders(text, separator, placeholder):
+    """A solution written as prm.py's data has it: the placeholder after every step ("07+45=52 ки\n..."). One the
+    text holds already (a policy may write it) is dropped, as it would read as one more step end; the steps are
+    still those of the text as written."""
+    steps, pieces = steps_of(text, separator)
+    pieces = [p.replace(placeholder, "") for p in pieces]
+    for i in steps:
+        pieces[i] = pieces[i].rstrip() + " " + placeholder
+    return separator.join(pieces)
+
 
 def step_ends(response, tokenizer, separator):
     """The index of the token ending each step of one completion (response: its token ids, [R]), by the contract
     above. The text of the first k tokens is a prefix of the whole text, so the separators it holds only grow with k:
     each separator's token is found by bisection, about log2(R) decodes a step."""
-    decode = lambda k: prm.completion_text(tokenizer.decode(response[:k]), tokenizer)  # noqa: E731
-    steps, _ = prm.steps_of(decode(len(response)), separator)
+    decode = lambda k: completion_text(tokenizer.decode(response[:k]), tokenizer)  # noqa: E731
+    steps, _ = steps_of(decode(len(response)), separator)
     ends, lo = [], 0
     for i in steps[:-1]:  # piece i ends at separator i + 1
         hi = len(response)
@@ -90,11 +126,31 @@ def parse_with_steps(out, n, source):
     return rewards, scores, logs, lists
 
 
+def check_saved(config, tokenizer, path):
+    """A saved PRM as a judge: its config names the placeholder and the two reward tokens (prm.py writes them; a
+    config with only their ids gets their text from the tokenizer), and its tokenizer still makes each of them one
+    token; else one line saying what is wrong."""
+    if getattr(config, "placeholder_token_id", None) is None:
+        fail(f"{path} has no placeholder_token_id in its config: not a prm.py model")
+    if len(config.reward_token_ids) != 2 or len(set(config.reward_token_ids)) != 2:
+        fail(f"{path}: reward_token_ids {config.reward_token_ids} must be two distinct tokens (good, bad)")
+    if getattr(config, "placeholder_token", None) is None:  # a config with the ids alone: the tokens' own text
+        config.placeholder_token = tokenizer.decode([config.placeholder_token_id])
+    if getattr(config, "reward_tokens", None) is None:
+        config.reward_tokens = [tokenizer.decode([i]) for i in config.reward_token_ids]
+    for token, want in [(config.placeholder_token, config.placeholder_token_id),
+                        *zip(config.reward_tokens, config.reward_token_ids)]:
+        ids = tokenizer(token, add_special_tokens=False)["input_ids"]
+        if ids != [want] and tokenizer.convert_tokens_to_ids(token) != want:  # (sentencepiece: a lone "▁+")
+            fail(f"{path}: {token!r} encodes to {ids} in its tokenizer, not to the one token {want} its config "
+                 "names (a PRM reads its judgement at one token)")
+
+
 def load_prm(args, cfg, offload):
     """The local PRM (frozen) and its tokenizer, with its placeholder and reward tokens checked one token each."""
     tokenizer = common.load_tokenizer(args.reward_pretrain, args)
     model = common.load_frozen(args.reward_pretrain, args, tokenizer, cfg, offload, model_class=AutoModelForCausalLM)
-    prm.check_saved(model.config, tokenizer, args.reward_pretrain)
+    check_saved(model.config, tokenizer, args.reward_pretrain)
     return model, tokenizer
 
 
@@ -109,7 +165,7 @@ def reward_fn(args, tokenizer, cfg, client, offload=False):
         parse=parse_with_steps, retry_wait=args.remote_rm_retry_wait)
     # (make_pairs.py has none of these flags: a PRM judges its samples by the min over newline-separated steps)
     process, warned = getattr(args, "process_rewards", False), []
-    separator, reduce = getattr(args, "step_separator", "\n"), prm.REDUCE[getattr(args, "prm_reduce", "min")]
+    separator, reduce = getattr(args, "step_separator", "\n"), REDUCE[getattr(args, "prm_reduce", "min")]
 
     def score(batch):
         responses = [r for _, r in batch.pairs()]
@@ -135,15 +191,28 @@ def reward_fn(args, tokenizer, cfg, client, offload=False):
     return score
 
 
+@torch.no_grad()
+def step_probabilities(model, seqs, pad_id):
+    """A saved PRM's judgement of token sequences (1-D tensors, one padded forward): for each, the probability of
+    the first reward token (good) at every placeholder, as prm.py's prm_loss trained it. The same scorer as
+    prm.py's (tests compare them)."""
+    cfg, device = model.config, next(model.parameters()).device
+    ids = torch.nn.utils.rnn.pad_sequence(list(seqs), batch_first=True, padding_value=pad_id).to(device)  # [B, T]
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True).to(device)
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    probs = torch.softmax(logits[..., cfg.reward_token_ids].float(), -1)[..., 0]
+    return [probs[i][(ids[i] == cfg.placeholder_token_id) & mask[i].bool()].tolist() for i in range(len(seqs))]
+
+
 def prm_step_scores(model, prm_tokenizer, batch, tokenizer, separator, chunk_size, offloaded):
     """The PRM's P(good) of every step: the prompt's tokens as sampled, then the completion's text with the
     placeholder after each step, tokenized by the PRM's tokenizer as prm.py tokenizes its data."""
     seqs = []
     for prompt, response in batch.pairs():
-        text = prm.with_placeholders(prm.completion_text(tokenizer.decode(response), tokenizer), separator,
-                                     model.config.placeholder_token)
+        text = with_placeholders(completion_text(tokenizer.decode(response), tokenizer), separator,
+                                 model.config.placeholder_token)
         ids = prm_tokenizer(text, add_special_tokens=False)["input_ids"]
         seqs.append(torch.cat([prompt, torch.tensor(ids, dtype=prompt.dtype)]))
     with common.on_accelerator(model, offloaded) as m:
         return [s for i in range(0, len(seqs), chunk_size)
-                for s in prm.step_probabilities(m, seqs[i:i + chunk_size], prm_tokenizer.pad_token_id)]
+                for s in step_probabilities(m, seqs[i:i + chunk_size], prm_tokenizer.pad_token_id)]

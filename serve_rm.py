@@ -71,7 +71,6 @@ from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError, model_va
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import common
-import prm
 
 
 # -------------------------------------------------------------------------------------------- requests
@@ -124,7 +123,71 @@ async def read_body(request: Request, limit):
     return b"".join(chunks)
 
 
+# ------------------------------------------------------------------------ prm: steps (prm.py's rules)
+# Copies of prm.py's (tests compare them): the server reads a query's steps as the trainer and prm.py do.
+REDUCE = {"min": min, "last": lambda s: s[-1], "mean": lambda s: sum(s) / len(s)}  # --prm_reduce: steps -> one reward
+
+
+def steps_of(text, separator):
+    """The steps of a solution's text: its pieces between separators, blank pieces not counted, at least one (the
+    whole text). -> (the indices of the step pieces, the pieces)."""
+    pieces = text.split(separator)
+    steps = [i for i, p in enumerate(pieces) if p.strip()]
+    return steps or [len(pieces) - 1], pieces
+
+
+def completion_text(text, tokenizer):
+    """What the step contract reads of a completion: its text decoded with the special tokens kept (as a /get_reward
+    query carries it), every special token's text removed. A BOS or EOS the policy wrote inside a completion, its
+    stop token and pads are no step: the trainer (process_rewards.step_ends), a local PRM judge and this server all
+    read the steps of this text, so they count the same steps."""
+    specials = set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()
+                                                    if t.special}
+    for token in sorted(specials, key=len, reverse=True):  # "<|im_end|>" before a shorter token inside it
+        text = text.replace(token, "")
+    return text
+
+
+def with_placeholders(text, separator, placeholder):
+    """A solution written as prm.py's data has it: the placeholder after every step ("07+45=52 ки\n..."). One the
+    text holds already (a policy may write it) is dropped, as it would read as one more step end; the steps are
+    still those of the text as written."""
+    steps, pieces = steps_of(text, separator)
+    pieces = [p.replace(placeholder, "") for p in pieces]
+    for i in steps:
+        pieces[i] = pieces[i].rstrip() + " " + placeholder
+    return separator.join(pieces)
+
+
+def check_saved(config, tokenizer, path):
+    """A saved PRM as a judge: its config names the placeholder and the two reward tokens (prm.py writes them; a
+    config with only their ids gets their text from the tokenizer), and its tokenizer still makes each of them one
+    token; else one line saying what is wrong."""
+    if getattr(config, "placeholder_token_id", None) is None:
+        common.fail(f"{path} has no placeholder_token_id in its config: not a prm.py model")
+    if len(config.reward_token_ids) != 2 or len(set(config.reward_token_ids)) != 2:
+        common.fail(f"{path}: reward_token_ids {config.reward_token_ids} must be two distinct tokens (good, bad)")
+    if getattr(config, "placeholder_token", None) is None:  # a config with the ids alone: the tokens' own text
+        config.placeholder_token = tokenizer.decode([config.placeholder_token_id])
+    if getattr(config, "reward_tokens", None) is None:
+        config.reward_tokens = [tokenizer.decode([i]) for i in config.reward_token_ids]
+    for token, want in [(config.placeholder_token, config.placeholder_token_id),
+                        *zip(config.reward_tokens, config.reward_token_ids)]:
+        ids = tokenizer(token, add_special_tokens=False)["input_ids"]
+        if ids != [want] and tokenizer.convert_tokens_to_ids(token) != want:  # (sentencepiece: a lone "▁+")
+            common.fail(f"{path}: {token!r} encodes to {ids} in its tokenizer, not to the one token {want} its config "
+                        "names (a PRM reads its judgement at one token)")
+
+
 # ---------------------------------------------------------------------------------------------- model
+def pad_batch(seqs, pad_value):
+    """1-D LongTensors -> (ids [B, T] right-padded, mask [B, T] 1 on real tokens): the scripts' padded
+    batch_sequences without positions (a classifier's forward makes them from the mask; tests compare the copies)."""
+    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_value)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True)
+    return ids, mask
+
+
 def strip_ends(text, tokenizer):
     """Drop pad/eos tokens at either end of the text (OpenRLHF's trainer may send left/right padded
     decodes), and whitespace after the last of them (a chat template's "\n" after its end-of-turn token)."""
@@ -139,7 +202,7 @@ def strip_ends(text, tokenizer):
 def prm_query(query, prompt, tokenizer, placeholder, separator):
     """prm: an RL trainer's query, prompt + completion with its entry in "prompts", gets the placeholder after each
     step of its completion (the text after the prompt), as prm.py's data has them, by the trainer's own rule
-    (prm.completion_text: special tokens' text removed, the EOS and pads with it; a placeholder the policy wrote
+    (completion_text: special tokens' text removed, the EOS and pads with it; a placeholder the policy wrote
     dropped). A query without a prompt (none, or "") that holds placeholders is prm.py's own data form, scored as
     sent; one without either is all completion but its leading BOS."""
     if not prompt and placeholder in query:
@@ -147,7 +210,7 @@ def prm_query(query, prompt, tokenizer, placeholder, separator):
     head = prompt if prompt and query.startswith(prompt) else ""
     if not head and tokenizer.bos_token and query.startswith(tokenizer.bos_token):
         head = tokenizer.bos_token
-    return head + prm.with_placeholders(prm.completion_text(query[len(head):], tokenizer), separator, placeholder)
+    return head + with_placeholders(completion_text(query[len(head):], tokenizer), separator, placeholder)
 
 
 def tokenize(text, tokenizer, args):
@@ -164,12 +227,25 @@ def tokenize(text, tokenizer, args):
 
 
 @torch.no_grad()
+def step_probabilities(model, seqs, pad_id):
+    """A saved PRM's judgement of token sequences (1-D tensors, one padded forward): for each, the probability of
+    the first reward token (good) at every placeholder, as prm.py's prm_loss trained it. The same scorer as
+    prm.py's (tests compare them)."""
+    cfg, device = model.config, next(model.parameters()).device
+    ids, mask = pad_batch(list(seqs), pad_id)
+    ids, mask = ids.to(device), mask.to(device)
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    probs = torch.softmax(logits[..., cfg.reward_token_ids].float(), -1)[..., 0]
+    return [probs[i][(ids[i] == cfg.placeholder_token_id) & mask[i].bool()].tolist() for i in range(len(seqs))]
+
+
+@torch.no_grad()
 def score_batch(model, batch, args, pad_id):
     """One padded forward over token-id lists -> a float per sequence (prm: a list of step probabilities)."""
     if args.rm_type == "prm":  # P(good) at each placeholder
-        return prm.step_probabilities(model, [torch.tensor(b) for b in batch], pad_id)
+        return step_probabilities(model, [torch.tensor(b) for b in batch], pad_id)
     device = next(model.parameters()).device
-    ids, mask, _ = common.batch_sequences([torch.tensor(b) for b in batch], pad_id, False)
+    ids, mask = pad_batch([torch.tensor(b) for b in batch], pad_id)
     ids, mask = ids.to(device), mask.to(device)
     last = mask.sum(-1) - 1  # right padding: each sequence's last real token
     if args.rm_type == "seq_cls":
@@ -190,7 +266,7 @@ def load(args):
         kwargs["device_map"] = "cuda"  # loaded straight onto the GPU, not first into CPU memory
     model = common.load_model(args.reward_pretrain, args, tokenizer, trainable=False, **kwargs).eval()
     if args.rm_type == "prm":
-        prm.check_saved(model.config, tokenizer, args.reward_pretrain)
+        check_saved(model.config, tokenizer, args.reward_pretrain)
     if args.rm_type == "causal_lm_token" and args.reward_token_id is None:
         common.fail("--rm_type causal_lm_token needs --reward_token_id")
     args.mean, args.std = 0.0, 1.0
@@ -352,7 +428,7 @@ def create_app(args):
             batcher.in_flight -= 1
         if args.rm_type != "prm":
             return {"rewards": results, "scores": results, "extra_logs": {"dummy_scores": results}}
-        reduce = prm.REDUCE[args.prm_reduce]
+        reduce = REDUCE[args.prm_reduce]
         rewards = [reduce(steps) if steps else 0.0 for steps in results]
         return {"rewards": rewards, "scores": rewards, "step_rewards": results, "extra_logs": {"dummy_scores": rewards}}
 

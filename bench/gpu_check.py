@@ -119,10 +119,10 @@ def throughput_data(out):
         records.append({"input": text[:length // 2], "output": text[length // 2:]})
     data = out / "sft_400_1000.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    args = common.add_common_args(argparse.ArgumentParser()).parse_args([])
+    args = sft.add_training_args(argparse.ArgumentParser()).parse_args([])
     args.__dict__.update(output_key="output", multiturn=False, pretrain_mode=False, max_len=1024)
     lengths = [len(sft.tokenize_sample(r, tokenizer, args)[0]) for r in records]
-    # sft.py's batches (common.train_batches): one epoch, a permutation seeded with --seed (42), MICRO per step
+    # sft.py's batches (sft.train_batches): one epoch, a permutation seeded with --seed (42), MICRO per step
     perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(args.seed)).tolist()
     steps = [[lengths[i] for i in perm[k * MICRO:(k + 1) * MICRO]] for k in range(WARMUP, STEPS)]
     return model_dir, data, [sum(s) for s in steps], [MICRO * max(s) for s in steps]

@@ -37,14 +37,26 @@ def toy_world(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory):
+    """tests/families.py's five checkpoint layouts (Qwen2.5 instruct and base, Llama 3, Mistral, GPT-2), built once."""
+    import families
+
+    root = tmp_path_factory.mktemp("families")
+    return {f: families.build(f, root / f) for f in families.FAMILIES}
+
+
+@pytest.fixture(scope="session")
 def tokenizer(toy_world):
     return AutoTokenizer.from_pretrained(toy_world / "model")
 
 
 def script_args(**flags):
-    """The parsed defaults of common.add_common_args, with the given flags (script-specific ones included)
-    set on top: what a script's helpers see, without running its main()."""
-    args = common.add_common_args(argparse.ArgumentParser()).parse_args([])
+    """The parsed defaults of the training flags (sft.add_training_args: every training script's copy is the same),
+    with the given flags (script-specific ones included) set on top: what a script's helpers see, without running its
+    main()."""
+    import sft
+
+    args = sft.add_training_args(argparse.ArgumentParser()).parse_args([])
     for k, v in flags.items():
         setattr(args, k, v)
     return args

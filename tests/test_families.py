@@ -41,12 +41,6 @@ PLAIN_SAMPLE = {"qwen25_instruct": ["1", "2", "+", "3", "4", "=", "4", "6", "<|i
                 "gpt2": ["12", "+", "34", "=", "46", "<|endoftext|>"]}
 
 
-@pytest.fixture(scope="session")
-def family_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    return {f: families.build(f, root / f) for f in families.FAMILIES}
-
-
 def family_args(family, **kw):
     return toy_args(**{"apply_chat_template": family in CHAT, "max_len": 128, "label_key": "label",
                        "placeholder_token": "ки", "reward_tokens": ["+", "-"], **kw})
@@ -313,7 +307,7 @@ def test_hf_sampling_ignores_the_generation_config(family_dirs, family):
         assert runs[0] == runs[1], scale
         assert with_config.generation_config.to_dict() == saved  # the checkpoint keeps its config
         # sft.py's and dpo.py's eval: greedy, and greedy too is reshaped by a repetition penalty or an n-gram ban
-        greedy = [common.greedy_generate(model, [tok(t)["input_ids"] for t in ["12+34=", "Step 1:"]], tok, 24)
+        greedy = [sft.greedy_generate(model, [tok(t)["input_ids"] for t in ["12+34=", "Step 1:"]], tok, 24)
                   for model in (with_config, blank)]
         assert greedy[0] == greedy[1], scale
 

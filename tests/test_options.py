@@ -447,7 +447,7 @@ def test_bf16_on_a_cpu_that_emulates_it_warns_once_with_its_cost(monkeypatch, ca
     monkeypatch.setattr(serve_rm.uvicorn, "run", lambda *a, **k: None)  # main() up to the server start
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU case, on a GPU machine too
     script = ["--pretrain", "m", "--dataset", "d.jsonl", "--save_path", str(tmp_path / "out")]
-    entries = {"scripts": (script, lambda: common.parse_args(common.add_common_args(argparse.ArgumentParser()), {})),
+    entries = {"scripts": (script, lambda: common.parse_args(sft.add_training_args(argparse.ArgumentParser()), {})),
                "serve_rm": (["--reward_pretrain", "m"], serve_rm.main)}
     for name, (argv, entry) in entries.items():
         lines = warnings(False, argv + ["--bf16"], entry)
@@ -458,7 +458,7 @@ def test_bf16_on_a_cpu_that_emulates_it_warns_once_with_its_cost(monkeypatch, ca
 OFFLOAD_PROBE = """
 import json, sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
-import common, deepspeed, torch
+import common, deepspeed, sft, torch
 from conftest import script_args
 from transformers import AutoTokenizer
 
@@ -470,7 +470,7 @@ args = script_args(zero_stage=3, train_batch_size=1, micro_train_batch_size=1)
 common.init_distributed(args)
 out = {}
 for offload in (False, True):
-    model = common.load_frozen(sys.argv[2], args, AutoTokenizer.from_pretrained(sys.argv[2]), common.ds_config(args),
+    model = common.load_frozen(sys.argv[2], args, AutoTokenizer.from_pretrained(sys.argv[2]), sft.ds_config(args),
                                offload=offload)
     out[str(offload)] = partitions[:]
     partitions.clear()

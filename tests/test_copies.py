@@ -1,0 +1,238 @@
+"""The copies agree. Each script carries its own copy of what its default path needs (the card's trade: reuse for
+transparency, as cleanRL's files do), and no script imports another. These tests run every copy of a shared piece
+on the same inputs and compare, so a copy cannot drift silently. What a piece must compute is checked against
+independent references elsewhere (test_losses, test_families, test_prm, ...); here, that the copies compute the same,
+on the five tokenizer families of tests/families.py where tokens are involved."""
+import argparse
+import ast
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import common
+import distill
+import dpo
+import families
+import grpo
+import online_dpo
+import ppo
+import prm
+import process_rewards
+import rm
+import serve_rm
+import sft
+from conftest import ROOT
+
+SCRIPTS = ("sft", "rm", "prm", "dpo", "online_dpo", "distill", "grpo", "ppo", "make_pairs", "serve_rm", "merge_lora")
+TRAINING = (sft, rm, prm, dpo, online_dpo, distill, grpo, ppo)
+CHAT = [f for f in families.FAMILIES if f != "gpt2"]  # GPT-2 ships no chat template
+
+
+def imported(path):
+    """The top-level names of every module a file imports, wherever the import stands (a function's too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_no_script_imports_another_script():
+    """Copying one script to modify it changes nothing else: no script, plug-in or common.py imports a script (the toy
+    world's files, toy.py and demo.py, are the example, not the product)."""
+    product = [p for p in ROOT.glob("*.py") if p.stem not in ("toy", "demo", "smollm2", "toy_agent")]
+    assert {p.stem for p in product} >= set(SCRIPTS)
+    found = {p.name: sorted(imported(p) & set(SCRIPTS) - {p.stem}) for p in product}
+    assert {name: scripts for name, scripts in found.items() if scripts} == {}
+
+
+def flag_table(parser):
+    """What --help and parsing see of each flag: names, default, nargs, choices, help, and its type's range."""
+    def kind(t):  # common.ranged's parse: the same kind and range, whatever closure holds them
+        return tuple(c.cell_contents for c in t.__closure__) if getattr(t, "__closure__", None) else t
+    return [(a.option_strings, a.dest, a.default, a.nargs, a.choices, a.help, a.metavar, type(a).__name__,
+             kind(a.type)) for a in parser._actions]
+
+
+def test_training_flags_are_the_same_in_every_script():
+    """add_training_args: the same flags, defaults, ranges and help in every training script."""
+    tables = {m.__name__: flag_table(m.add_training_args(argparse.ArgumentParser())) for m in TRAINING}
+    assert len(tables["sft"]) > 40
+    for name, table in tables.items():
+        assert table == tables["sft"], name
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A world-of-one gloo group, as a script's start makes it (one may be up already: it stays for the session)."""
+    saved = dict(os.environ)  # init_distributed's RANK, LOCAL_RANK, MASTER_PORT, ...: DeepSpeed reads them in this
+    if not dist.is_initialized():  # module's tests; later tests' subprocesses must not inherit them
+        common.init_distributed(parsed())
+    os.environ.setdefault("LOCAL_RANK", "0")
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def parsed(**flags):
+    args = sft.add_training_args(argparse.ArgumentParser()).parse_args([])
+    for k, v in flags.items():
+        setattr(args, k, v)
+    return args
+
+
+@pytest.mark.parametrize("flags", [{}, dict(zero_stage=3, bf16=True, adam_offload=True, overlap_comm=True,
+                                             train_batch_size=32, micro_train_batch_size=4, max_norm=0.5)])
+def test_deepspeed_configs_are_the_same(world_of_one, flags):
+    """ds_config: every script's copy gives the same DeepSpeed config for the same flags (the written-out
+    expectation of a few fields guards against every copy drifting together)."""
+    args = parsed(**flags)
+    configs = {m.__name__: m.ds_config(args) for m in TRAINING}
+    for name, config in configs.items():
+        assert config == configs["sft"], name
+    expected_accumulation = args.train_batch_size // args.micro_train_batch_size
+    assert configs["sft"]["gradient_accumulation_steps"] == expected_accumulation
+    assert configs["sft"]["zero_optimization"]["stage"] == args.zero_stage
+    with pytest.raises(SystemExit, match="not a multiple of --micro_train_batch_size 5"):
+        sft.ds_config(parsed(train_batch_size=64, micro_train_batch_size=5))
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")
+def test_deepspeed_set_up_is_the_same(world_of_one, toy_world):
+    """setup_deepspeed: the same optimizer settings and learning-rate schedule from every copy."""
+    from transformers import AutoModelForCausalLM
+
+    args = parsed(learning_rate=1e-3, lr_warmup_ratio=0.2, l2=0.01)
+    schedules = {}
+    for m in TRAINING:
+        model = AutoModelForCausalLM.from_pretrained(toy_world / "model")
+        engine = m.setup_deepspeed(model, args, m.ds_config(args), 10)
+        group = engine.optimizer.param_groups[0]
+        lrs = []
+        for _ in range(10):
+            lrs.append(engine.get_lr()[0])
+            engine.lr_scheduler.step()
+        schedules[m.__name__] = (type(engine.optimizer).__name__, group["betas"], group["weight_decay"], lrs)
+    for name, schedule in schedules.items():
+        assert schedule == schedules["sft"], name
+    lrs = schedules["sft"][3]
+    assert lrs[0] == 0.0 and lrs[2] == pytest.approx(1e-3)  # 2 warm-up steps, then the peak
+
+
+def test_training_batches_are_the_same(world_of_one):
+    """train_batches (resumable, seeded per epoch) and eval_shard: the same indices from every script's copy."""
+    args = parsed(train_batch_size=8, micro_train_batch_size=2, max_epochs=3, seed=7)
+    users = [m for m in TRAINING if hasattr(m, "train_batches")]
+    assert {m.__name__ for m in users} >= {"sft", "rm", "prm", "dpo"}
+    runs = {m.__name__: list(m.train_batches(30, args, start_step=2)) for m in users}
+    for name, run in runs.items():
+        assert run == runs["sft"], name
+    assert len(runs["sft"]) == 3 * (30 // 8) - 2  # whole batches only, from step 2 on
+    shards = {m.__name__: m.eval_shard(list(range(11)), 4) for m in TRAINING if hasattr(m, "eval_shard")}
+    for name, shard in shards.items():
+        assert shard == shards["sft"], name
+
+
+@pytest.mark.parametrize("family", families.FAMILIES)
+def test_sequences_batched_the_same(family_dirs, family):
+    """batch_sequences (padded and packed) of every script's copy, and serve_rm's padded pad_batch, on one family's
+    token ids."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(family_dirs[family] / "model")
+    seqs = [torch.tensor(tok(t)["input_ids"]) for t in ["12+34=46", "Step 1: 7+5=12", "x"]]
+    pad = 0 if tok.pad_token_id is None else tok.pad_token_id
+    lists = lambda xs: [x if x is None else x.tolist() for x in xs]  # noqa: E731
+    for packing in (False, True):
+        want = lists(sft.batch_sequences(seqs, pad, packing))
+        for m in (rm, prm):
+            assert lists(m.batch_sequences(seqs, pad, packing)) == want, (m.__name__, packing)
+    assert lists(serve_rm.pad_batch(seqs, pad)) == lists(sft.batch_sequences(seqs, pad, False))[:2]
+    ids, mask, pos = sft.batch_sequences(seqs, pad, False)  # right-padded, positions counting real tokens
+    assert ids[2, len(seqs[2]):].eq(pad).all() and mask.sum(-1).tolist() == [len(s) for s in seqs] and pos[0, 0] == 0
+
+
+@pytest.mark.parametrize("family", families.FAMILIES)
+def test_distill_tokenizes_dataset_completions_as_sft(family_dirs, family):
+    """distill.py's off-policy records become the token ids sft.py trains on (its own tokenize_sample copy)."""
+    from test_families import family_args
+
+    for chat in ([False, True] if family in CHAT else [False]):
+        args = family_args(family, apply_chat_template=chat)
+        tok = common.load_tokenizer(family_dirs[family] / "model", args)
+        records = [{"input": "12+34=", "output": "46"}, {"input": "Step 1: 7+5=", "output": "12\nThe answer: 12"}]
+        for i, record in enumerate(records):
+            want = sft.tokenize_sample(record, tok, args)
+            got = distill.tokenize_sample(record, tok, args)
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert (g.tolist() if torch.is_tensor(g) else g) == (w.tolist() if torch.is_tensor(w) else w), i
+
+
+def test_dpo_losses_are_the_same():
+    """dpo.dpo_loss and online_dpo.dpo_loss: every loss type and label smoothing, values and gradients."""
+    torch.manual_seed(0)
+    logps = [torch.randn(6, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    for loss_type in dpo.LOSS_TYPES:
+        for smoothing in ((0.0, 0.1) if loss_type == "sigmoid" else (0.0,)):
+            outs = []
+            for m in (dpo, online_dpo):
+                loss, chosen, rejected = m.dpo_loss(*logps, beta=0.2, loss_type=loss_type, label_smoothing=smoothing)
+                grads = torch.autograd.grad(loss, logps)
+                outs.append((loss.item(), chosen.tolist(), rejected.tolist(), [g.tolist() for g in grads]))
+            assert outs[0] == outs[1], (loss_type, smoothing)
+
+
+@pytest.mark.parametrize("family", families.FAMILIES)
+def test_step_rule_is_the_same(family_dirs, family):
+    """The PRM step rule (prm.py trains with it, serve_rm.py serves it, process_rewards.py reads a trainer's steps
+    with it): completion_text, steps_of and with_placeholders of every copy on one family's completions."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(family_dirs[family] / "model")
+    eos = tok.eos_token or ""
+    texts = ["07+45=52\n" + eos, "Step 1: 1+2=3\nStep 2: 3+1=4\n\n", "ки\nx ки\n" + eos, "", eos, "a\n\nb"]
+    copies = [m for m in (prm, serve_rm, process_rewards)]
+    for text in texts:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        decoded = tok.decode(ids)
+        for m in copies:
+            if hasattr(m, "completion_text"):
+                assert m.completion_text(decoded, tok) == prm.completion_text(decoded, tok), (m.__name__, text)
+            if hasattr(m, "steps_of"):
+                assert m.steps_of(text, "\n") == prm.steps_of(text, "\n"), (m.__name__, text)
+            if hasattr(m, "with_placeholders"):
+                assert m.with_placeholders(text, "\n", "ки") == prm.with_placeholders(text, "\n", "ки"), m.__name__
+    assert sum(hasattr(m, "completion_text") for m in copies) == 3
+
+
+@pytest.mark.parametrize("family", families.FAMILIES)
+def test_prm_judgement_is_the_same(family_dirs, family):
+    """step_probabilities (prm.py's evaluation, serve_rm.py's scorer, process_rewards.py's local judge) and
+    check_saved (a saved PRM's config read as a judge) of every copy, on one family's tiny model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(family_dirs[family] / "model")
+    placeholder_id, reward_ids = prm.setup_tokens(tok, "ки", ["+", "-"])
+    model = AutoModelForCausalLM.from_pretrained(family_dirs[family] / "model").eval()
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    model.config.placeholder_token_id, model.config.reward_token_ids = placeholder_id, reward_ids
+    texts = ["07+45=52 ки\n99+1=100 ки", "Step 1: 3 ки\nStep 2: 4 ки\nStep 3: 5 ки", "x ки"]
+    seqs = [torch.tensor(tok(t)["input_ids"]) for t in texts]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    want = prm.step_probabilities(model, seqs, pad)
+    assert [len(p) for p in want] == [2, 3, 1] and all(0 < x < 1 for p in want for x in p)
+    for m in (serve_rm, process_rewards):
+        assert m.step_probabilities(model, seqs, pad) == want, m.__name__
+    for m in (prm, serve_rm, process_rewards):  # the token texts filled in from the ids, the same way
+        config = type(model.config).from_dict(model.config.to_dict())
+        m.check_saved(config, tok, "prm_dir")
+        assert (config.placeholder_token, config.reward_tokens) == (tok.decode([placeholder_id]),
+                                                                    [tok.decode([i]) for i in reward_ids])
+        config.reward_token_ids = reward_ids[:1]
+        with pytest.raises(SystemExit, match="must be two distinct tokens"):
+            m.check_saved(config, tok, "prm_dir")

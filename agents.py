@@ -1,7 +1,7 @@
 """What --agent_func_path turns on: multi-turn episodes with an OpenRLHF agent file (AgentInstance / AgentExecutor:
 YOUR code, run in the training process), token in, token out, on whichever engine samples (HF generate, vLLM, Ray),
-returning the same rollout.Rollout with an action mask (0 on the environment's tokens) and the agent's rewards.
-rollout.start_engine and rollout.check_rl_options import it when the flag is given; importing it only defines
+returning plain tensors as every engine does (AgentEngine.sample), plus an action mask (0 on the environment's tokens)
+and the agent's rewards. grpo.py and ppo.py import it on the lines that handle the flag; importing it only defines
 things."""
 
 import asyncio
@@ -20,7 +20,6 @@ import torch
 
 import common
 from common import console, fail
-from rollout import Rollout, user_module
 
 
 class AgentInstanceBase:
@@ -61,6 +60,21 @@ def openrlhf_agent_module():
     modules[0].utils, modules[1].agent = modules[1], modules[2]
     for cls in (AgentInstanceBase, AgentExecutorBase, MultiTurnAgentExecutor):
         setattr(modules[2], cls.__name__, cls)
+
+
+def user_module(path, refusal):
+    """A Python file of YOUR code (an agent), imported: it runs in this process, with this process's permissions,
+    exactly like a script you start with python (errors in it show its own traceback). The scripts load a
+    reward_func file the same way (their user_module)."""
+    import importlib.util
+
+    path = Path(path)
+    if path.suffix != ".py" or not path.is_file():
+        fail(refusal)
+    spec = importlib.util.spec_from_file_location(f"user_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.cache
@@ -145,14 +159,13 @@ class AgentEngine:
             pad = count - len(live)  # in step: every rank generates as many (ZeRO-3), fillers of one token
             samples = self.engine.sample(prompts + [{"ids": episodes[0].prompt}] * pad, temperature,
                                          budgets + [1] * pad)
-            versions.append(samples.version)
-            with_logprobs = samples.logprobs is not None
+            versions.append(samples["version"])
+            with_logprobs = samples["logprobs"] is not None
             for i, e in enumerate(live):
-                n = samples.lengths[i]
-                action = samples.responses[i, :n].tolist()
+                action = samples["responses"][i].tolist()
                 e.tokens += action
                 e.mask += [1] * len(action)
-                e.logprobs += samples.logprobs[i, :n].tolist() if with_logprobs else [0.0] * len(action)
+                e.logprobs += samples["logprobs"][i].tolist() if with_logprobs else [0.0] * len(action)
                 # as vLLM reports it: special tokens kept, the stop token's own text not
                 stopped = action[-1:] == [self.tokenizer.eos_token_id]
                 e.action_text = self.tokenizer.decode(action[:-1] if stopped else action)
@@ -166,15 +179,15 @@ class AgentEngine:
         if any(e.prompt != torch.as_tensor(r["ids"]).tolist() for e, r in zip(episodes, records)):
             # an agent's reset() rewrote them: the episodes continue those tokens, and so do the log-prob passes
             records = [{**r, "ids": torch.tensor(e.prompt, dtype=torch.long)} for r, e in zip(records, episodes)]
-        return Rollout.of(records, [torch.tensor(e.tokens, dtype=torch.long) for e in episodes],
-                          self.tokenizer.eos_token_id,
-                          [torch.tensor(e.logprobs, dtype=torch.float64) for e in episodes] if with_logprobs else None,
-                          min(versions) if versions else None,  # the oldest weights a turn used
-                          action_mask=[torch.tensor(e.mask, dtype=torch.bool) for e in episodes],
-                          stopped=[not e.truncated for e in episodes],
-                          agent_rewards=(torch.tensor([e.reward for e in episodes]),
-                                         torch.tensor([e.score for e in episodes]),
-                                         {k: torch.tensor(v, dtype=torch.float32) for k, v in logs.items()}))
+        return {"records": records, "responses": [torch.tensor(e.tokens, dtype=torch.long) for e in episodes],
+                "logprobs": [torch.tensor(e.logprobs, dtype=torch.float64) for e in episodes] if with_logprobs
+                else None,
+                "version": min(versions) if versions else None,  # the oldest weights a turn used
+                "action_mask": [torch.tensor(e.mask, dtype=torch.bool) for e in episodes],
+                "stopped": [not e.truncated for e in episodes],
+                "agent_rewards": {"rewards": torch.tensor([e.reward for e in episodes]),
+                                  "scores": torch.tensor([e.score for e in episodes]),
+                                  "logs": {k: torch.tensor(v, dtype=torch.float32) for k, v in logs.items()}}}
 
     async def turn(self, method, episodes, temperature):
         """reset() or step() of every episode at once, each bounded by --agent_timeout; the results applied."""
@@ -302,3 +315,9 @@ def in_thread(fn, states):
 
     threading.Thread(target=run, daemon=True).start()
     return future
+
+
+def turns_max(turns):
+    """--agent_func_path: the longest episode of the step over ranks (turns: each episode's count; their mean is in the
+    rewards' logs)."""
+    return {"turns_max": max(common.all_reduce_max([float(turns.max())]))}

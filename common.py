@@ -918,9 +918,9 @@ class Logger:
             self.wandb.log({f"{prefix}/{k}": v for k, v in metrics.items()}, step=step)
 
     def log_samples(self, step, rows, prefix="eval", limit=400):
-        """Samples at `step` (rows: dicts with the same keys, of texts and numbers; rollout.eval_samples'): a table on
-        the console, a text over `limit` characters shown as its start and end, and the rows in full to TensorBoard
-        (text `{prefix}/samples`, a markdown table) and wandb (a Table)."""
+        """Samples at `step` (rows: dicts with the same keys, of texts and numbers; an RL script's eval_samples): a
+        table on the console, a text over `limit` characters shown as its start and end, and the rows in full to
+        TensorBoard (text `{prefix}/samples`, a markdown table) and wandb (a Table)."""
         if not self.rank0 or not rows:
             return
         texts = [[v if isinstance(v, str) else f"{v:.4g}" for v in row.values()] for row in rows]
@@ -957,8 +957,8 @@ class Logger:
 
 
 def log_eval(logger, step, metrics, results=None, suffix=""):
-    """Log eval metrics at `step` ({name: mean}, or rollout.evaluate's {"metrics": ..., "samples": rows}, whose rows
-    Logger.log_samples shows); with `results`, keep the metrics there too, as eval_<name><suffix>."""
+    """Log eval metrics at `step` ({name: mean}, or an RL script's evaluate: {"metrics": ..., "samples": rows}, whose
+    rows Logger.log_samples shows); with `results`, keep the metrics there too, as eval_<name><suffix>."""
     samples = []
     if "samples" in metrics:
         metrics, samples = metrics["metrics"], metrics["samples"]

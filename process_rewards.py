@@ -16,8 +16,8 @@ A reward source gives one score per step next to the per-sample reward:
 from a reward_func file (your code) or a /get_reward server (serve_rm.py --rm_type prm sends them); or a local
 prm.py model (--reward_pretrain) scores them: the completion gets the PRM's placeholder after each step, as prm.py's
 data has it ("07+45=52 ки\\n52+08=60 ки"), and the step score is P(good) at each placeholder (step_probabilities,
-prm.py's scorer; serve_rm.py has it too). Scores travel as a rollout's step_rewards: ([N, R] each step's score on the
-token that ends it, [N, R] bool the step ends).
+prm.py's scorer; serve_rm.py has it too). Scores travel in the reward's named result as step_rewards ([N, R] each
+step's score on the token that ends it) and step_ends ([N, R] bool).
 
 What the scripts do with them: ppo.py puts each step's score on the token that ends it (Math-Shepherd), grpo.py
 normalizes them per group (grpo.process_advantages, DeepSeekMath). The source's per-sample rewards are logged (and
@@ -31,7 +31,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import common
-import rollout
 from common import fail
 
 
@@ -106,10 +105,9 @@ def check_step_counts(step_lists, ends, source, separator):
                  "policy's special tokens; see process_rewards.py)")
 
 
-def parse_with_steps(out, n, source):
-    """rollout.check_rewards' reading of a reply, plus its step_rewards: n lists of finite floats."""
-    rewards, scores, logs = rollout.check_rewards(out, n, source)
-    steps = out.get("step_rewards") if isinstance(out, dict) else None
+def check_step_lists(steps, n, source):
+    """A reply's step_rewards (as the script's reward call kept them: None when the reply had none) -> n lists of
+    finite floats, or one line saying what is wrong."""
     if steps is None:
         fail(f"{source}: --process_rewards needs step_rewards (one list of step scores per query) and the "
              "reply has none")
@@ -123,7 +121,7 @@ def parse_with_steps(out, n, source):
             fail(f"{source}: step_rewards[{i}] is not a list of numbers: {str(s)[:80]!r}")
         if not all(map(math.isfinite, lists[-1])):
             fail(f"{source}: step_rewards[{i}] holds NaN or infinity")
-    return rewards, scores, logs, lists
+    return lists
 
 
 def check_saved(config, tokenizer, path):
@@ -155,39 +153,42 @@ def load_prm(args, cfg, offload):
 
 
 def reward_fn(args, tokenizer, cfg, client, offload=False):
-    """The reward as rollout.reward_fn gives it, f(batch) -> (rewards [N], scores [N], logs), that also fills
-    batch.step_rewards with --process_rewards. Sources: a local PRM (--reward_pretrain: per-sample reward the steps'
-    --prm_reduce, min by default) with or without --remote_rm_url (then that is the outcome reward), or --remote_rm_url
-    alone sending step_rewards."""
+    """The reward with step scores: f(pairs, labels) -> {"rewards" [N], "scores" [N], "logs" {name: [N]}}, and with
+    --process_rewards "step_rewards" [N, R] (each step's score on the token ending it) and "step_ends" [N, R] bool, R
+    the longest response. pairs: (prompt ids, response ids) as sampled; `client`: the script's reward call on
+    --remote_rm_url, f(pairs, labels) -> its named result (with the reply's raw "step_rewards"), or None. Sources: a
+    local PRM (--reward_pretrain: per-sample reward the steps' --prm_reduce, min by default) with or without
+    --remote_rm_url (then that is the outcome reward), or --remote_rm_url alone sending step_rewards."""
     judge = load_prm(args, cfg, offload) if args.reward_pretrain else None
-    steps_client = None if judge else rollout.reward_client(
-        args.remote_rm_url, args.remote_rm_batch_size, args.remote_rm_timeout, args.remote_rm_retries,
-        parse=parse_with_steps, retry_wait=args.remote_rm_retry_wait)
     # (make_pairs.py has none of these flags: a PRM judges its samples by the min over newline-separated steps)
     process, warned = getattr(args, "process_rewards", False), []
     separator, reduce = getattr(args, "step_separator", "\n"), REDUCE[getattr(args, "prm_reduce", "min")]
+    source = args.reward_pretrain or args.remote_rm_url
 
-    def score(batch):
-        responses = [r for _, r in batch.pairs()]
-        ends = [step_ends(r, tokenizer, separator) for r in responses]
+    def score(pairs, labels):
+        ends = [step_ends(r, tokenizer, separator) for _, r in pairs]
         if judge:
-            step_lists = prm_step_scores(*judge, batch, tokenizer, separator, args.micro_rollout_batch_size, offload
+            step_lists = prm_step_scores(*judge, pairs, tokenizer, separator, args.micro_rollout_batch_size, offload
                                          and args.zero_stage != 3)
             reduced = torch.tensor([reduce(s) for s in step_lists])
-            rewards, scores, logs = reduced, reduced, {}
+            out = {"rewards": reduced, "scores": reduced, "logs": {}}
             if client:  # the outcome reward beside the steps
-                rewards, scores, logs = rollout.client_rewards(client, batch, tokenizer)
-                logs = {**logs, "prm_reward": reduced}
+                outcome = client(pairs, labels)
+                out = {**outcome, "logs": {**outcome["logs"], "prm_reward": reduced}}
+                out.pop("step_rewards", None)
         else:
-            rewards, scores, logs, step_lists = rollout.client_rewards(steps_client, batch, tokenizer)
-        check_step_counts(step_lists, ends, args.reward_pretrain or args.remote_rm_url, separator)
+            out = client(pairs, labels)
+            step_lists = check_step_lists(out.pop("step_rewards", None), len(pairs), source)
+        check_step_counts(step_lists, ends, source, separator)
         if process and not warned and all(len(e) == 1 for e in ends) and len(ends) > 1:
             warned.append(True)  # likely a separator the policy does not write (one warning a run)
             common.console.print(f"--process_rewards: no completion of this batch has a {separator!r} separator: "
                                  "each is one step (--step_separator)", markup=False)
+        out["logs"] = {**out["logs"], "steps": torch.tensor([float(len(e)) for e in ends])}
         if process:
-            batch.step_rewards = step_tensors(step_lists, ends, batch.responses.shape)
-        return rewards, scores, {**logs, "steps": torch.tensor([float(len(e)) for e in ends])}
+            width = max(len(r) for _, r in pairs)
+            out["step_rewards"], out["step_ends"] = step_tensors(step_lists, ends, (len(pairs), width))
+        return out
     return score
 
 
@@ -204,11 +205,11 @@ def step_probabilities(model, seqs, pad_id):
     return [probs[i][(ids[i] == cfg.placeholder_token_id) & mask[i].bool()].tolist() for i in range(len(seqs))]
 
 
-def prm_step_scores(model, prm_tokenizer, batch, tokenizer, separator, chunk_size, offloaded):
+def prm_step_scores(model, prm_tokenizer, pairs, tokenizer, separator, chunk_size, offloaded):
     """The PRM's P(good) of every step: the prompt's tokens as sampled, then the completion's text with the
     placeholder after each step, tokenized by the PRM's tokenizer as prm.py tokenizes its data."""
     seqs = []
-    for prompt, response in batch.pairs():
+    for prompt, response in pairs:
         text = with_placeholders(completion_text(tokenizer.decode(response), tokenizer), separator,
                                  model.config.placeholder_token)
         ids = prm_tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -150,9 +150,9 @@ def main():
         # the two directions of compatibility: our RL scripts' client against their server, and the
         # payload their trainer sends (query/prompts/labels, pad and eos around the texts) against ours
         sys.path.insert(0, str(ROOT))
-        import rollout
+        import grpo
 
-        got, _, _ = rollout.reward_client(servers["theirs"][1])(same, [""] * 4, [None] * 4)
+        got = grpo.reward_client(servers["theirs"][1])(same, [""] * 4, [None] * 4)["rewards"]
         assert max(abs(a - b) for a, b in zip(got.tolist(), rewards["theirs"])) < 1e-3, "our client vs theirs"
         padded = ["<pad><pad>" + t + "</s><pad>" for t in same]
         r = httpx.post(servers["ours"][1], json={"query": padded, "prompts": [""] * 4, "labels": [None] * 4}).json()

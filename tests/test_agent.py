@@ -19,7 +19,6 @@ import agents  # noqa: E402
 import common  # noqa: E402
 import engines  # noqa: E402
 import grpo  # noqa: E402
-import rollout  # noqa: E402
 
 # An n-step environment written from OpenRLHF's contract (its examples/python/agent_func.py does the same): 1-3
 # steps, a random 0/1 reward at the end, feedback carrying a special token, the sampling params handed back as
@@ -77,8 +76,8 @@ class ScriptedEngine:
         turn = len(self.calls) - 1
         out = [torch.tensor(self.tok(self.actions[turn], add_special_tokens=False)["input_ids"][:n]) for n in
                max_new_tokens]
-        return rollout.Rollout.of(records, out, self.tok.eos_token_id,
-                                  [torch.full((len(o),), -0.5, dtype=torch.float64) for o in out], version=7)
+        return {"responses": out, "logprobs": [torch.full((len(o),), -0.5, dtype=torch.float64) for o in out],
+                "version": 7}
 
 
 def records_of(tokenizer, rows):
@@ -99,13 +98,14 @@ def test_tool_episode_token_in_token_out(tokenizer, tmp_path):
     feedback = tokenizer("\n07+45=", add_special_tokens=False)["input_ids"]
     assert ask[-1] == answer[-1] == tokenizer.eos_token_id and prompt[0] == tokenizer.bos_token_id
     assert engine.calls == [([prompt], [24]), ([prompt + ask + feedback], [24 - len(ask + feedback)])]
-    assert samples.responses[0].tolist() == ask + feedback + answer
-    assert samples.action_mask[0].tolist() == [1] * len(ask) + [0] * len(feedback) + [1] * len(answer)
-    assert samples.logprobs[0].tolist() == [-0.5] * len(ask) + [0.0] * len(feedback) + [-0.5] * len(answer)
-    rewards, scores, logs = samples.agent_rewards
-    assert rewards.tolist() == [1.0] and scores.tolist() == [1.0] and samples.stopped.tolist() == [True]
+    assert samples["responses"][0].tolist() == ask + feedback + answer
+    assert samples["action_mask"][0].tolist() == [1] * len(ask) + [0] * len(feedback) + [1] * len(answer)
+    assert samples["logprobs"][0].tolist() == [-0.5] * len(ask) + [0.0] * len(feedback) + [-0.5] * len(answer)
+    rewards, logs = samples["agent_rewards"]["rewards"], samples["agent_rewards"]["logs"]
+    assert rewards.tolist() == [1.0] and samples["agent_rewards"]["scores"].tolist() == [1.0]
+    assert samples["stopped"] == [True]
     assert logs["turns"].tolist() == [2.0] and logs["asked"].tolist() == [1.0] and logs["accuracy"].tolist() == [1.0]
-    assert samples.version == 7 and samples.records[0]["ids"].tolist() == prompt
+    assert samples["version"] == 7 and samples["records"][0]["ids"].tolist() == prompt
 
 
 def test_states_the_agent_sees(tokenizer, tmp_path):
@@ -135,7 +135,7 @@ class AgentExecutor(MultiTurnAgentExecutor):
     assert [s["action_text"] for s in seen] == ["a<s>b", "c", "d"]
     assert [s["observation_text"] for s in seen] == ["1+2=", "1+2=a<s>b|fb|", "1+2=a<s>b|fb|c|fb|"]
     assert all(s["label"] == {"x": 1} for s in seen)
-    rewards, scores, logs = samples.agent_rewards
+    rewards, scores, logs = (samples["agent_rewards"][k] for k in ("rewards", "scores", "logs"))
     assert rewards.tolist() == [0.75] and scores.tolist() == [0.75]  # scores default to the reward so far
     assert logs["n"].tolist() == [4.0] and logs["turns"].tolist() == [3.0]  # the last step's extra_logs
 
@@ -157,19 +157,19 @@ class AgentExecutor(MultiTurnAgentExecutor):
     engine = ScriptedEngine(tokenizer, ["a</s>", "b</s>"])
     s = agents.AgentEngine(engine, agent_args(never_done, tmp_path, generate_max_len=10), tokenizer).sample(recs, 1.0)
     assert [b for _, b in engine.calls] == [[10], [3]]
-    assert tokenizer.decode(s.responses[0]) == "a</s>xxxxxb</s>x" and s.stopped.tolist() == [False]
-    assert s.agent_rewards[0].tolist() == [2.0] and s.stopped.tolist() == [False]
+    assert tokenizer.decode(s["responses"][0]) == "a</s>xxxxxb</s>x" and s["stopped"] == [False]
+    assert s["agent_rewards"]["rewards"].tolist() == [2.0]
     engine = ScriptedEngine(tokenizer, ["a</s>", "b</s>", "c</s>"])
     s = agents.AgentEngine(engine, agent_args(never_done, tmp_path, max_turns=2), tokenizer).sample(recs, 1.0)
-    assert len(engine.calls) == 2 and s.stopped.tolist() == [False] and s.agent_rewards[2]["turns"].tolist() == [2.0]
+    assert len(engine.calls) == 2 and s["stopped"] == [False] and s["agent_rewards"]["logs"]["turns"].tolist() == [2.0]
     toy = ROOT / "toy_agent.py"
     s = agents.AgentEngine(ScriptedEngine(tokenizer, ["1234567"]), agent_args(toy, tmp_path, generate_max_len=4),
                             tokenizer).sample(records_of(tokenizer, [("07+x=", "45")]), 1.0)
-    assert s.responses[0].tolist() == tokenizer("1234", add_special_tokens=False)["input_ids"]
-    assert s.stopped.tolist() == [False]  # step() said done, but the answer was cut
+    assert s["responses"][0].tolist() == tokenizer("1234", add_special_tokens=False)["input_ids"]
+    assert s["stopped"] == [False]  # step() said done, but the answer was cut
     s = agents.AgentEngine(ScriptedEngine(tokenizer, ["99</s>"]), agent_args(toy, tmp_path), tokenizer).sample(
         records_of(tokenizer, [("07+x=", "45")]), 1.0)
-    assert s.stopped.tolist() == [True] and s.agent_rewards[0].tolist() == [0.0]
+    assert s["stopped"] == [True] and s["agent_rewards"]["rewards"].tolist() == [0.0]
 
 
 def test_a_rewritten_observation_is_tokenized_alone(tokenizer, tmp_path):
@@ -188,7 +188,7 @@ class AgentExecutor(MultiTurnAgentExecutor):
     s = agents.AgentEngine(engine, agent_args(path, tmp_path), tokenizer).sample(
         records_of(tokenizer, [("1+2=", None)]), 1.0)
     rewritten = tokenizer("Q:1+2=", add_special_tokens=False)["input_ids"]  # no BOS: OpenRLHF's rule
-    assert engine.calls[0][0] == [rewritten] and s.records[0]["ids"].tolist() == rewritten
+    assert engine.calls[0][0] == [rewritten] and s["records"][0]["ids"].tolist() == rewritten
 
 
 BROKEN_STEP = '''
@@ -249,7 +249,8 @@ def test_sampling_params_handed_back_changed_are_ignored_with_one_warning(tokeni
         "        return {'rewards': 1.0, 'environment_feedback': '', 'done': True, "
         "'sampling_params': states['sampling_params']}")))
     agent = agents.AgentEngine(ScriptedEngine(tokenizer, ["1</s>"]), agent_args(path, tmp_path), tokenizer)
-    assert agent.sample(records_of(tokenizer, [("1+2=", None)] * 3), 1.0).agent_rewards[0].tolist() == [1.0] * 3
+    assert agent.sample(records_of(tokenizer, [("1+2=", None)] * 3), 1.0)["agent_rewards"]["rewards"].tolist() == \
+        [1.0] * 3
     assert capsys.readouterr().err.count("sampling_params returned by step() are ignored") == 1
 
 
@@ -280,7 +281,7 @@ class Recorder:
     def sample(self, records, temperature, max_new_tokens=None):
         samples = self.engine.sample(records, temperature, max_new_tokens)
         self.calls.append(([torch.as_tensor(r["ids"]).tolist() for r in records],
-                           [r.tolist() for _, r in samples.pairs()]))
+                           [r.tolist() for r in samples["responses"]]))
         return samples
 
 
@@ -303,8 +304,8 @@ def check_token_in_token_out(calls, prompts, samples, tokenizer, max_len):
                 still.append(i)
         live = still
     assert not live
-    assert [r.tolist() for _, r in samples.pairs()] == [e[len(p):] for e, p in zip(expected, prompts)]
-    assert [m[:n].int().tolist() for m, n in zip(samples.action_mask, samples.lengths)] == masks  # 0 on feedback
+    assert [r.tolist() for r in samples["responses"]] == [e[len(p):] for e, p in zip(expected, prompts)]
+    assert [m.int().tolist() for m in samples["action_mask"]] == masks  # 0 on feedback
     return max(len(c[0]) for c in calls[1:]) if len(calls) > 1 else 0
 
 
@@ -315,7 +316,7 @@ def test_token_in_token_out_on_hf_generate(policy, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(policy).eval()
     args = agent_args(agent_file(tmp_path, THREE_TURNS), tmp_path, generate_max_len=40, micro_rollout_batch_size=8,
                       zero_stage=0)
-    engine = Recorder(rollout.HFEngine(args, model, tok))
+    engine = Recorder(grpo.HFEngine(args, model, tok))  # grpo.py's own HF generate
     rows = [(f"{a:02d}+{b:02d}=", None) for a, b in [(12, 34), (7, 45), (99, 1), (50, 50), (3, 4), (61, 27)]]
     torch.manual_seed(0)
     samples = agents.AgentEngine(engine, args, tok).sample(records_of(tok, rows), 1.0)
@@ -331,9 +332,8 @@ def test_token_in_token_out_on_vllm(policy, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     tok = AutoTokenizer.from_pretrained(policy)
-    samples = rollout.Rollout.of([{"ids": torch.tensor(p)} for p in out["prompts"]],
-                                 [torch.tensor(r) for r in out["responses"]], tok.eos_token_id,
-                                 action_mask=[torch.tensor(m, dtype=torch.bool) for m in out["masks"]])
+    samples = {"responses": [torch.tensor(r) for r in out["responses"]],
+               "action_mask": [torch.tensor(m, dtype=torch.bool) for m in out["masks"]]}
     assert check_token_in_token_out(out["calls"], out["prompts"], samples, tok, 40) >= 2
     assert all(len(lp) == len(r) for lp, r in zip(out["logprobs"], out["responses"]))
     for lp, m in zip(out["logprobs"], out["masks"]):  # the engine's log-probs on actions, 0 on feedback
@@ -356,9 +356,9 @@ def vllm_episodes(policy, path, tmp_path):
     rows = [(f"{a:02d}+{b:02d}=", None) for a, b in [(12, 34), (7, 45), (99, 1), (50, 50), (3, 4), (61, 27)]]
     samples = agents.AgentEngine(engine, args, tok).sample(records_of(tok, rows), 1.0)
     print(json.dumps({"calls": engine.calls, "prompts": [tok(t)["input_ids"] for t, _ in rows],
-                      "responses": [r.tolist() for _, r in samples.pairs()],
-                      "masks": [m[:n].int().tolist() for m, n in zip(samples.action_mask, samples.lengths)],
-                      "logprobs": [lp[:n].tolist() for lp, n in zip(samples.logprobs, samples.lengths)]}))
+                      "responses": [r.tolist() for r in samples["responses"]],
+                      "masks": [m.int().tolist() for m in samples["action_mask"]],
+                      "logprobs": [lp.tolist() for lp in samples["logprobs"]]}))
 
 
 # ------------------------------------------------------------------------------------------------ the loss

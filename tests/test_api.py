@@ -13,15 +13,15 @@ from transformers import AutoModelForCausalLM
 import common
 import distill
 import dpo
+import engines
 import grpo
 import ppo
 import prm
 import rm
-import rollout
 import sft
 from conftest import ROOT
 
-MODULES = {m.__name__: m for m in (common, distill, dpo, grpo, ppo, prm, rm, rollout, sft)}
+MODULES = {m.__name__: m for m in (common, distill, dpo, engines, grpo, ppo, prm, rm, sft)}
 
 
 def documented():
@@ -215,7 +215,7 @@ def call_response_logprobs(toy_world, tokenizer):
 
 def call_rollout_correction_weights():
     rollout_logprobs = OLD - torch.tensor([[math.log(3), 0.0, 0.0], [0.0, 0.0, 0.0]], **F64)  # weight 3, then 1s
-    weights, changed = rollout.rollout_correction_weights(OLD, rollout_logprobs, MASK, "token-truncate", (0.0, 2.0))
+    weights, changed = engines.rollout_correction_weights(OLD, rollout_logprobs, MASK, "token-truncate", (0.0, 2.0))
     close(weights, [[2.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     assert changed.tolist() == [[True, False, False], [False, False, False]]
 
@@ -247,7 +247,7 @@ CALLS = {"sft.sft_loss": call_sft_loss, "rm.pairwise_loss": call_pairwise_loss, 
          "ppo.adaptive_kl_coef": call_adaptive_kl_coef, "dpo.dpo_loss": call_dpo_loss,
          "common.masked_mean": call_masked_mean, "common.masked_whiten": call_masked_whiten,
          "common.approx_kl": call_approx_kl, "common.response_logprobs": call_response_logprobs,
-         "rollout.rollout_correction_weights": call_rollout_correction_weights,
+         "engines.rollout_correction_weights": call_rollout_correction_weights,
          "distill.generalized_jsd_loss": call_generalized_jsd_loss, "distill.sampled_kl_loss": call_sampled_kl_loss}
 
 

@@ -32,10 +32,9 @@ def recorded_run(out_path, *argv):
     """Run grpo.py's main() in this process, recording each batch the trainer takes (prompts, tokens, engine
     log-probs, the version the engine reported) and the weights of each version as the trainer sends them."""
     import grpo
-    import rollout
 
     taken, sent = [], {}
-    draw, sync = rollout.draw, engines.RayEngines.sync
+    draw, sync = grpo.draw, engines.RayEngines.sync
 
     def recording_draw(*args):
         batch = draw(*args)
@@ -50,7 +49,7 @@ def recorded_run(out_path, *argv):
         time.sleep(1.0)  # a slow update: the producer gets as far ahead as it may, however busy the machine
         return sync(self, model, version)
 
-    rollout.draw, engines.RayEngines.sync = recording_draw, recording_sync
+    grpo.draw, engines.RayEngines.sync = recording_draw, recording_sync
     sys.argv = ["grpo.py", *argv]
     grpo.main()
     torch.save({"taken": taken, "sent": sent}, out_path)

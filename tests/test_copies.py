@@ -236,3 +236,163 @@ def test_prm_judgement_is_the_same(family_dirs, family):
         config.reward_token_ids = reward_ids[:1]
         with pytest.raises(SystemExit, match="must be two distinct tokens"):
             m.check_saved(config, tok, "prm_dir")
+
+
+def test_rollout_py_is_a_shim_that_names_the_new_places():
+    """rollout.py's public names still work for one release, each with a DeprecationWarning naming where it lives
+    now (the object there, not a copy); the shim is short and nothing of the product imports it."""
+    import importlib
+
+    import rollout
+
+    assert len((ROOT / "rollout.py").read_text().splitlines()) <= 30
+    assert {"rollout_correction_weights", "reward_client", "generate_hf", "Rollout"} <= set(rollout.MOVED)
+    for name, place in rollout.MOVED.items():
+        with pytest.warns(DeprecationWarning, match=rf"rollout\.{name} is deprecated: use {place}\.{name}"):
+            assert getattr(rollout, name) is getattr(importlib.import_module(place), name)
+    with pytest.raises(AttributeError, match="deprecation shim"):
+        rollout.no_such_name
+    users = [p.name for p in ROOT.glob("*.py") if "rollout" in imported(p) and p.name != "rollout.py"]
+    assert users == []
+
+
+RL = ("grpo", "ppo", "online_dpo", "distill", "make_pairs")  # each carries its own rollout
+
+
+def rl_modules():
+    import importlib
+
+    return [importlib.import_module(name) for name in RL]
+
+
+@pytest.mark.parametrize("family", families.FAMILIES)
+def test_rl_scripts_generate_the_same_tokens(family_dirs, family):
+    """generate_hf of every RL script: the same greedy ids from the same checkpoint and prompts (a group's prompt
+    repeated: the copies that prefill it once must still agree), each cut at its EOS; the same samples at temperature
+    1 from the same seed; and in grpo.py and ppo.py (the scripts with agents) the per-prompt budgets of an agent's
+    turn honoured alike."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = family_dirs[family] / "model"
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:  # as common.load_tokenizer leaves every real tokenizer
+        tok.add_special_tokens({"pad_token": "<pad>"})
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    with torch.no_grad():  # a likelier EOS, so that some completions stop before the budget
+        model.get_output_embeddings().weight[tok.eos_token_id] *= 3
+    prompts = [torch.tensor(tok(t)["input_ids"]) for t in ["12+34=", "Step 1: 7+5=", "x"] for _ in range(2)]
+    runs = {}
+    for m in rl_modules():
+        greedy = m.generate_hf(model, tok, prompts, 0.0, max_new_tokens=12, chunk_size=4)
+        torch.manual_seed(0)
+        sampled = m.generate_hf(model, tok, prompts, 1.0, max_new_tokens=12, chunk_size=6)
+        runs[m.__name__] = ([g.tolist() for g in greedy], [s.tolist() for s in sampled])
+        if m.__name__ in ("grpo", "ppo"):
+            torch.manual_seed(0)
+            budgets = m.generate_hf(model, tok, prompts, 1.0, max_new_tokens=[3, 12, 5, 12, 1, 12], chunk_size=6)
+            runs[m.__name__] += ([b.tolist() for b in budgets],)
+    for name, run in runs.items():
+        assert run == runs["grpo"][:len(run)], name
+    greedy, sampled, budgeted = runs["grpo"]
+    assert runs["ppo"][2] == budgeted
+    assert all(len(g) == 12 or g[-1] == tok.eos_token_id for g in greedy)
+    assert all(tok.eos_token_id not in g[:-1] for g in greedy + sampled + budgeted)
+    assert [len(b) <= n for b, n in zip(budgeted, [3, 12, 5, 12, 1, 12])] == [True] * 6
+
+
+def test_reward_calls_read_replies_and_fail_alike(tmp_path):
+    """check_rewards of every copy: the same named result from every accepted reply shape, the same one-line error
+    for every malformed one; a reward_func file read by each script's reward_client gives the same result."""
+    replies = [[1.0, 2.0], torch.tensor([0.5, -1.0]), {"rewards": [1, 0], "scores": [0.5, 0.25],
+                                                       "extra_logs": {"acc": [1, 0], "k": 3}},
+               {"scores": [2.0, 3.0]}]
+    bad = [[1.0], [1.0, float("nan")], {"extra": 1}, {"rewards": [1, 2], "extra_logs": 5}, "text", [[1, 2], [3]],
+           {"rewards": ["a", "b"]}]
+    modules = rl_modules()
+
+    def named(out):
+        return {k: (v.tolist() if torch.is_tensor(v) else {n: t.tolist() for n, t in v.items()})
+                for k, v in out.items() if k in ("rewards", "scores", "logs")}
+    for reply in replies:
+        want = named(grpo.check_rewards(reply, 2, "src"))
+        assert set(want) == {"rewards", "scores", "logs"}
+        for m in modules:
+            assert named(m.check_rewards(reply, 2, "src")) == want, (m.__name__, reply)
+    for reply in bad:
+        errors = set()
+        for m in modules:
+            with pytest.raises(SystemExit) as stop:
+                m.check_rewards(reply, 2, "src")
+            errors.add(str(stop.value))
+        assert len(errors) == 1 and next(iter(errors)).startswith("error: src: "), (reply, errors)
+    reward_file = tmp_path / "len_reward.py"
+    reward_file.write_text("def reward_func(queries, prompts, labels):\n"
+                           "    return {'rewards': [len(q) - len(p) for q, p in zip(queries, prompts)],\n"
+                           "            'extra_logs': {'label_given': [float(l is not None) for l in labels]}}\n")
+    queries, prompts, labels = ["12+34=46", "1+1=2</s>"], ["12+34=", "1+1="], ["46", None]
+    results = {m.__name__: named(m.reward_client(str(reward_file))(queries, prompts, labels)) for m in modules}
+    for name, result in results.items():
+        assert result == results["grpo"], name
+    assert results["grpo"]["rewards"] == [2.0, 5.0] and results["grpo"]["logs"] == {"label_given": [1.0, 0.0]}
+
+
+def test_rollout_flags_agree_where_scripts_share_them():
+    """add_rollout_args of grpo.py, ppo.py, online_dpo.py and distill.py: each flag two of them take has the same
+    names, default, range and help in both (each copy holds only the flags its script takes)."""
+    parsers = {}
+    for name, m in (("grpo", grpo), ("ppo", ppo), ("online_dpo", online_dpo), ("distill", distill)):
+        p = argparse.ArgumentParser()
+        m.add_rollout_args(p)
+        parsers[name] = {row[1]: row for row in flag_table(p)}
+    for name, rows in parsers.items():
+        for other, other_rows in parsers.items():
+            for dest in rows.keys() & other_rows.keys():
+                assert rows[dest] == other_rows[dest], (name, other, dest)
+    assert set(parsers["grpo"]) == set(parsers["ppo"]) and len(parsers["grpo"]) > 30
+    assert {"rollout_batch_size", "generate_max_len", "vllm", "ray", "eval_steps"} <= set(parsers["distill"])
+
+
+@pytest.mark.parametrize("family", families.FAMILIES)
+def test_prompts_and_reward_model_scores_are_the_same(family_dirs, family, tmp_path):
+    """load_prompts (the prompt tokenized as generation sees it, too-long ones dropped) and rm_scores (a reward
+    model's score at each completion's EOS) of every RL script's copy, with and without the chat template."""
+    from transformers import AutoModelForSequenceClassification
+
+    from test_families import family_args
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(f'{{"input": "{a}+{b}=", "label": "{a + b}"}}\n' for a, b in [(12, 34), (7, 5), (99, 1)])
+                    + '{"input": "' + " ".join(map(str, range(400))) + '", "label": "x"}\n')  # too long: dropped
+    for chat in ([False, True] if family in CHAT else [False]):
+        args = family_args(family, apply_chat_template=chat, prompt_max_len=200, input_key="input", seed=42,
+                           input_template=None)
+        tok = common.load_tokenizer(family_dirs[family] / "model", args)
+        runs = {m.__name__: m.load_prompts(str(data), "train", tok, args) for m in rl_modules()}
+        for name, records in runs.items():
+            assert [(r["ids"].tolist(), r["text"], r["label"], r["input"]) for r in records] == \
+                [(r["ids"].tolist(), r["text"], r["label"], r["input"]) for r in runs["grpo"]], (name, chat)
+        assert [r["label"] for r in runs["grpo"]] == ["46", "12", "100"]
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_pretrained(family_dirs[family] / "model", num_labels=1).eval()
+    rm.resize_token_embeddings(len(tok), mean_resizing=False)
+    rm.config.pad_token_id = tok.pad_token_id
+    pairs = [(r["ids"], torch.tensor(tok("46", add_special_tokens=False)["input_ids"] + e))
+             for r, e in zip(runs["grpo"], [[tok.eos_token_id], [], [tok.eos_token_id]])]  # one without its EOS
+    scores = {m.__name__: m.rm_scores(rm, pairs, tok, 2).tolist() for m in (grpo, ppo, online_dpo, make_pairs())}
+    for name, got in scores.items():
+        assert got == scores["grpo"], name
+    assert scores["grpo"][1] == pytest.approx(rm_score_with_eos(rm, pairs[1], tok), abs=1e-6)  # padded: ~1e-8
+
+
+def make_pairs():
+    import make_pairs as module
+
+    return module
+
+
+@torch.no_grad()
+def rm_score_with_eos(rm, pair, tok):
+    """A completion without EOS is scored with one appended, as rm.py trains: the stock head on the whole sequence."""
+    ids = torch.cat([pair[0], pair[1], torch.tensor([tok.eos_token_id])])[None]
+    return rm(input_ids=ids).logits[0, 0].item()

@@ -144,7 +144,7 @@ def test_tokenize_pair_prompt_as_generation_sees_it(tokenizer):
     args = script_args(input_key="input", chosen_key="chosen", rejected_key="rejected", apply_chat_template=False)
     prompt, chosen, rejected = dpo.tokenize_pair({"input": "12+34=", "chosen": "46", "rejected": "47"}, tokenizer,
                                                  args, "x")
-    assert prompt.tolist() == tokenizer("12+34=")["input_ids"]  # as rollout.load_prompts tokenizes it
+    assert prompt.tolist() == tokenizer("12+34=")["input_ids"]  # as online_dpo.load_prompts tokenizes it
     assert chosen.tolist() == tokenizer("46", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert rejected.tolist() == tokenizer("47", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     args.apply_chat_template = True  # the toy template writes "\n" after the eos: not part of the response

@@ -20,9 +20,9 @@ import common  # noqa: E402
 import dpo  # noqa: E402
 import families  # noqa: E402
 import agents  # noqa: E402
+import grpo  # noqa: E402
 import prm  # noqa: E402
 import rm  # noqa: E402
-import rollout  # noqa: E402
 import serve_rm  # noqa: E402
 import sft  # noqa: E402
 from test_packing import toy_args  # noqa: E402
@@ -124,7 +124,7 @@ def test_dpo_pairs_split_where_generation_starts(family_dirs, family):
             want = tok(rendered[:rendered.rindex(eos) + len(eos)], add_special_tokens=False)["input_ids"]
         else:
             want = tok.convert_tokens_to_ids(PLAIN_SAMPLE[family])
-        text = common.format_prompt("12+34=", tok, args)  # as rollout.load_prompts tokenizes an RL prompt
+        text = common.format_prompt("12+34=", tok, args)  # as grpo.load_prompts tokenizes an RL prompt
         assert prompt == tok(text, add_special_tokens=not chat)["input_ids"]
         assert prompt + chosen == want, tok.convert_ids_to_tokens(prompt + chosen)
         assert ends_in_one_eos(prompt + rejected, tok) and tok.decode(rejected[:-1]).strip() == "47"
@@ -188,7 +188,7 @@ def test_rewards_read_where_rm_trains_them(family_dirs, family):
     response = torch.tensor(want[len(prompt_ids):])  # what a policy SFT-trained on this text generates
     cut = response[:-1]  # hit the length limit: no EOS
     prompts, responses = [prompt_ids, prompt_ids], [response, cut]
-    scores = rollout.rm_scores(model, list(zip(prompts, responses)), tok, chunk_size=8)
+    scores = grpo.rm_scores(model, list(zip(prompts, responses)), tok, chunk_size=8)
     assert scores.tolist() == pytest.approx([reference] * 2, abs=1e-5)
 
     # serve_rm: every form a client may send comes down to rm.py's ids
@@ -220,9 +220,8 @@ def test_rewards_read_where_rm_trains_them(family_dirs, family):
         cases.append((plain_tok, plain_prompt, plain_want[len(plain_prompt):]))
     for t, prompt, response in cases:
         sent = {}
-        records = [{"ids": torch.tensor(prompt), "label": None}] * 2
-        batch = rollout.Rollout.of(records, [torch.tensor(response), torch.tensor(response[:-1])], t.eos_token_id)
-        rollout.client_rewards(lambda q, p, labels: sent.update(q=q, p=p) or [0.0] * len(q), batch, t)
+        pairs = [(torch.tensor(prompt), torch.tensor(response)), (torch.tensor(prompt), torch.tensor(response[:-1]))]
+        grpo.client_rewards(lambda q, p, labels: sent.update(q=q, p=p) or [0.0] * len(q), pairs, [None] * 2, t)
         assert all(q.startswith(p) for q, p in zip(sent["q"], sent["p"])), sent
         assert [serve_rm.tokenize(q, t, srv) for q in sent["q"]] == [prompt + response] * 2, sent
 
@@ -246,7 +245,7 @@ def test_agent_turns_are_token_in_token_out(family_dirs, family, tmp_path):
     texts = [common.format_prompt(f"{a}+{b}=", tok, fam_args) for a, b in [(12, 34), (7, 45), (99, 1), (3, 4)]]
     prompts = [tok(t, add_special_tokens=not fam_args.apply_chat_template)["input_ids"] for t in texts]
     records = [{"ids": torch.tensor(p), "text": t, "label": None} for p, t in zip(prompts, texts)]
-    engine = Recorder(rollout.HFEngine(args, model, tok))
+    engine = Recorder(grpo.HFEngine(args, model, tok))
     torch.manual_seed(0)
     samples = agents.AgentEngine(engine, args, tok).sample(records, 1.0)
     assert check_token_in_token_out(engine.calls, prompts, samples, tok, 40) >= 2
@@ -281,7 +280,7 @@ def test_prm_placeholders_after_a_space_or_not(family_dirs, family):
 
 @pytest.mark.parametrize("family", ["qwen25_instruct", "gpt2"])
 def test_hf_sampling_ignores_the_generation_config(family_dirs, family):
-    """rollout.generate_hf (the RL scripts' HF generate) samples from softmax(logits / T) alone: the same completions as the
+    """grpo.generate_hf (the RL scripts' HF generate) samples from softmax(logits / T) alone: the same completions as the
     same weights with no generation_config.json at all. The families whose config holds a field the call does
     not set itself: Qwen2.5-Instruct's repetition penalty, GPT-2's no_repeat_ngram_size (Llama's, Mistral's
     and Qwen base's fields are all passed explicitly, so nothing of theirs could leak)."""
@@ -302,7 +301,7 @@ def test_hf_sampling_ignores_the_generation_config(family_dirs, family):
         runs = []
         for model in (with_config, blank):
             torch.manual_seed(1)
-            runs.append([s.tolist() for s in rollout.generate_hf(model, tok, prompts, 1.0, top_p=1.0, max_new_tokens=24,
+            runs.append([s.tolist() for s in grpo.generate_hf(model, tok, prompts, 1.0, top_p=1.0, max_new_tokens=24,
                                                                  chunk_size=6)])
         assert runs[0] == runs[1], scale
         assert with_config.generation_config.to_dict() == saved  # the checkpoint keeps its config
@@ -427,7 +426,7 @@ def test_vllm_stops_and_samples_as_hf_whatever_the_generation_config(family_dirs
     model.save_pretrained(policy)
     tok.save_pretrained(policy)
     prompts = [tok(t)["input_ids"] for t in ["12+34=", "Step 1:", "7+", "99+1="]]
-    greedy = rollout.generate_hf(model, tok, [torch.tensor(p) for p in prompts], 0.0, max_new_tokens=12, chunk_size=8)
+    greedy = grpo.generate_hf(model, tok, [torch.tensor(p) for p in prompts], 0.0, max_new_tokens=12, chunk_size=8)
     seen = [t for g in greedy for t in g[1:].tolist() if t != tok.eos_token_id]
     assert seen, "the greedy completions are all one token long"
     config = json.loads((policy / "generation_config.json").read_text())
@@ -452,9 +451,9 @@ def vllm_greedy(policy, prompts):
     common.init_distributed(args)
     tok = AutoTokenizer.from_pretrained(policy)
     model = AutoModelForCausalLM.from_pretrained(policy).eval()
-    engine = rollout.start_engine(args, model, tok)
-    out = engine.sample([{"ids": torch.tensor(p)} for p in json.loads(prompts)], 0.0).pairs()
-    print(json.dumps([o.tolist() for _, o in out]))
+    engine = grpo.start_engine(args, model, tok)
+    out = engine.sample([{"ids": torch.tensor(p)} for p in json.loads(prompts)], 0.0)["responses"]
+    print(json.dumps([o.tolist() for o in out]))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""grpo.py's math against naive float64 loops, and the reward clients (a reward_func file, a real HTTP
-server on 127.0.0.1 that fails twice before answering, one that never answers)."""
+"""grpo.py's math against naive float64 loops, dynamic filtering's kept samples checked one by one, and the reward
+clients (a reward_func file, a real HTTP server on 127.0.0.1 that fails twice before answering, one that never
+answers)."""
 import math
 import time
 
@@ -9,7 +10,6 @@ import torch
 import common
 import packing
 import grpo
-import rollout
 from conftest import RewardServer
 
 
@@ -148,6 +148,53 @@ def test_policy_loss_errors():
         grpo.policy_loss(x, x, torch.zeros(2), m, loss_agg_mode="sum")
 
 
+# ------------------------------------------------------------------------------------ dynamic filtering
+def scored_round(lengths, scores, seed):
+    """A round of groups of two: responses of the given lengths (so rounds differ in width), scored by hand, step
+    tensors as --process_rewards gives them ([N, R], R the round's longest response)."""
+    g = torch.Generator().manual_seed(seed)
+    responses = [torch.randint(3, 50, (k,), generator=g) for k in lengths]
+    records = [{"ids": torch.tensor([1, seed, i]), "label": f"{seed}.{i}"} for i in range(len(lengths))]
+    scores, width = torch.tensor(scores), max(lengths)
+    scored = {"rewards": scores * 2, "scores": scores, "logs": {"x": scores + 1},
+              "step_rewards": torch.rand(len(lengths), width, generator=g),
+              "step_ends": torch.rand(len(lengths), width, generator=g) > 0.5}
+    metrics = dict(generate_s=1.5, rounds=1, groups_dropped=0, groups_topped_up=0)
+    return grpo.Round(grpo.Rollout.of(records, 0, responses), scored, metrics)
+
+
+def test_dynamic_filtering_keeps_the_groups_with_signal_sample_by_sample():
+    """keep_groups_with_signal: the groups whose mean score is strictly inside the range, drawing rounds until there
+    are `want`; every per-sample value of the result (the rollout's tensors and the scored step tensors, padded to
+    the widest round, the logs) is the kept sample's own, checked one by one; the metrics are the rounds' sums."""
+    first = scored_round([3, 1, 2, 2], [0.0, 0.0, 0.5, 1.0], 0)  # group means 0 (dropped), 0.75 (kept)
+    second = scored_round([5, 4, 1, 1], [1.0, 1.0, 0.2, 0.4], 1)  # 1 (dropped), 0.3 (kept)
+    got = grpo.keep_groups_with_signal(first, lambda: second, 2, 2, (0.0, 1.0))
+    kept = [(first, 2), (first, 3), (second, 2), (second, 3)]
+    assert [r["label"] for r in got.batch.records] == ["0.2", "0.3", "1.2", "1.3"]
+    assert got.batch.responses.shape == got.scored["step_rewards"].shape == (4, 5)
+    for i, (r, j) in enumerate(kept):
+        k = int(r.batch.lengths[j])
+        assert got.batch.responses[i, :k].tolist() == r.batch.responses[j, :k].tolist()
+        assert not got.batch.responses[i, k:].any() and got.batch.action_mask[i].sum() == k
+        for name in ("step_rewards", "step_ends"):
+            width = r.scored[name].size(1)
+            assert got.scored[name][i, :width].tolist() == r.scored[name][j].tolist()
+            assert not got.scored[name][i, width:].any()
+        for name in ("rewards", "scores"):
+            assert got.scored[name][i] == r.scored[name][j]
+        assert got.scored["logs"]["x"][i] == r.scored["logs"]["x"][j]
+    assert got.metrics == dict(generate_s=3.0, rounds=2, groups_dropped=2, groups_topped_up=0)
+
+
+def test_dynamic_filtering_tops_up_after_ten_rounds():
+    """No group with signal in ten rounds: the first dropped groups fill the share, counted as topped up."""
+    flat = scored_round([2, 2, 3, 3], [1.0, 1.0, 0.0, 0.0], 0)
+    got = grpo.keep_groups_with_signal(flat, lambda: flat, 2, 2, (0.0, 1.0))
+    assert [r["label"] for r in got.batch.records] == ["0.0", "0.1", "0.2", "0.3"]
+    assert got.metrics == dict(generate_s=15.0, rounds=10, groups_dropped=20, groups_topped_up=2)
+
+
 # ------------------------------------------------------------------------------------ shared prompts
 def test_group_shares_its_prompt_in_the_update(policy, tokenizer):
     """--packing_samples packs a group's prompt once: the row response_logprobs runs is shorter by the
@@ -193,14 +240,15 @@ def test_reward_func_file_forms(tmp_path):
     queries, prompts, labels = ["1+1=2", "1+1=3", "2+2=4"], ["1+1=", "1+1=", "2+2="], ["2", "2", "4"]
     as_list = write(tmp_path, "as_list.py", "def reward_func(queries, prompts, labels):\n"
                     "    return [float(q[len(p):] == l) for q, p, l in zip(queries, prompts, labels)]\n")
-    rewards, scores, logs = rollout.reward_client(as_list)(queries, prompts, labels)
-    assert rewards.tolist() == [1.0, 0.0, 1.0] and scores.tolist() == [1.0, 0.0, 1.0] and logs == {}
+    out = grpo.reward_client(as_list)(queries, prompts, labels)
+    assert out["rewards"].tolist() == [1.0, 0.0, 1.0] and out["scores"].tolist() == [1.0, 0.0, 1.0]
+    assert out["logs"] == {}
     as_dict = write(tmp_path, "as_dict.py", "import torch\ndef reward_func(queries, prompts, labels):\n"
                     "    r = torch.tensor([len(q) for q in queries], dtype=torch.float32)\n"
                     "    return {'rewards': r * 2, 'scores': r, 'extra_logs': {'len': r, 'const': 0.5}}\n")
-    rewards, scores, logs = rollout.reward_client(as_dict)(queries, prompts, labels)
-    assert rewards.tolist() == [10.0, 10.0, 10.0] and scores.tolist() == [5.0, 5.0, 5.0]
-    assert logs["len"].tolist() == [5.0] * 3 and logs["const"].tolist() == [0.5] * 3
+    out = grpo.reward_client(as_dict)(queries, prompts, labels)
+    assert out["rewards"].tolist() == [10.0, 10.0, 10.0] and out["scores"].tolist() == [5.0, 5.0, 5.0]
+    assert out["logs"]["len"].tolist() == [5.0] * 3 and out["logs"]["const"].tolist() == [0.5] * 3
 
 
 @pytest.mark.parametrize("body, message", [
@@ -214,24 +262,25 @@ def test_reward_func_file_forms(tmp_path):
 def test_reward_func_bad_returns(tmp_path, body, message):
     path = write(tmp_path, "bad.py", f"def reward_func(queries, prompts, labels):\n    {body}\n")
     with pytest.raises(SystemExit, match=message) as e:
-        rollout.reward_client(path)(["a", "b", "c"], ["", "", ""], [None] * 3)
+        grpo.reward_client(path)(["a", "b", "c"], ["", "", ""], [None] * 3)
     assert "bad.py" in str(e.value)
 
 
 def test_reward_func_file_errors(tmp_path):
     with pytest.raises(SystemExit, match="neither an http"):
-        rollout.reward_client(str(tmp_path / "missing.py"))
+        grpo.reward_client(str(tmp_path / "missing.py"))
     with pytest.raises(SystemExit, match="defines no function reward_func"):
-        rollout.reward_client(write(tmp_path, "empty.py", "x = 1\n"))
+        grpo.reward_client(write(tmp_path, "empty.py", "x = 1\n"))
 
 
 def test_http_rewards_retry_then_answer_in_order():
     server = RewardServer(fail_first=2)
     try:
         queries = [f"q{'x' * i}" for i in range(7)]
-        client = rollout.reward_client(server.url, batch_size=3, timeout=5, retries=3, backoff=0.05)
-        rewards, scores, logs = client(queries, ["p"] * 7, list(range(7)))
-        assert rewards.tolist() == [float(len(q)) for q in queries] and scores.tolist() == rewards.tolist()
+        client = grpo.reward_client(server.url, batch_size=3, timeout=5, retries=3, backoff=0.05)
+        out = client(queries, ["p"] * 7, list(range(7)))
+        assert out["rewards"].tolist() == [float(len(q)) for q in queries]
+        assert out["scores"].tolist() == out["rewards"].tolist()
         # 2 failures, then 3 batches (3 + 3 + 1), each carrying OpenRLHF's three fields
         assert len(server.requests) == 5
         assert [len(r["query"]) for r in server.requests[2:]] == [3, 3, 1]
@@ -246,7 +295,7 @@ def test_http_rewards_never_answering_fails_loudly():
         t = time.time()
         with pytest.raises(SystemExit, match=r"failed 3 times in .* s, 0.15 s of it waiting between tries "
                                              r".*; last error: .*Timeout") as e:
-            rollout.reward_client(server.url, timeout=0.3, retries=2, backoff=0.05)(["a"], ["p"], [None])
+            grpo.reward_client(server.url, timeout=0.3, retries=2, backoff=0.05)(["a"], ["p"], [None])
         assert server.url in str(e.value) and len(server.requests) == 3
         assert time.time() - t < 3
     finally:
@@ -261,7 +310,7 @@ def test_http_rewards_retry_for_the_wait_budget_with_capped_backoff():
         t = time.time()
         with pytest.raises(SystemExit, match=r"failed 8 times in [\d.]+ s, 2 s of it waiting between tries "
                                              r"\(--remote_rm_retries 50, --remote_rm_retry_wait 2\)"):
-            rollout.reward_client(server.url, timeout=5, retries=50, backoff=0.05, retry_wait=2)(["a"], ["p"], [None])
+            grpo.reward_client(server.url, timeout=5, retries=50, backoff=0.05, retry_wait=2)(["a"], ["p"], [None])
         assert len(server.requests) == 8 and 2 <= time.time() - t < 10
     finally:
         server.close()
@@ -271,7 +320,7 @@ def test_http_rewards_client_error_is_not_retried():
     server = RewardServer(status=422)
     try:
         with pytest.raises(SystemExit, match="refused the request .HTTP 422"):
-            rollout.reward_client(server.url, timeout=5, retries=3, backoff=0.05)(["a"], ["p"], [None])
+            grpo.reward_client(server.url, timeout=5, retries=3, backoff=0.05)(["a"], ["p"], [None])
         assert len(server.requests) == 1
     finally:
         server.close()

@@ -1,7 +1,8 @@
 """The layout: the default path (HF generate; a rule, reward_func file, HTTP or local reward model; DeepSpeed; no
-packing) runs through a script, common.py and rollout.py only. What a flag adds lives in a module of its own, imported
-by the line that handles the flag: importing a script imports none of them, and neither does a short default run of
-each RL script (so it enters none of their functions). --help listing every flag is test_options' check."""
+packing) runs through a script and common.py only (test_copies checks that no script imports another; rollout.py is
+a deprecation shim no script loads). What a flag adds lives in a module of its own, imported by the line that handles
+the flag: importing a script imports none of them, and neither does a short default run of each RL script (so it
+enters none of their functions). --help listing every flag is test_options' check."""
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 
 from conftest import ROOT
 
-OPTIONAL = ("engines", "agents", "packing", "lora", "process_rewards")
+OPTIONAL = ("engines", "agents", "packing", "lora", "process_rewards", "rollout")
 SCRIPTS = ("sft.py", "rm.py", "prm.py", "dpo.py", "grpo.py", "ppo.py", "online_dpo.py", "distill.py", "make_pairs.py",
            "serve_rm.py", "merge_lora.py")
 # run a script in a fresh interpreter (or, with no flags, import the scripts named), then say which optional

@@ -1,5 +1,5 @@
 """The 2026 policy-loss family of grpo.token_policy_loss and grpo.policy_loss (GSPO's sequence-level ratio, CISPO, SAPO, the two-sided
-delta clip, the ratio-weighted KL) and the rollout correction of grpo.py and ppo.py (rollout.rollout_correction_weights: token/sequence, truncate/
+delta clip, the ratio-weighted KL) and the rollout correction of grpo.py and ppo.py (engines.rollout_correction_weights: token/sequence, truncate/
 mask), each against a token-by-token float64 loop, with padding holding garbage, and their gradients against
 closed forms or central finite differences."""
 import math
@@ -9,7 +9,7 @@ import torch
 
 import grpo
 import ppo
-from rollout import ROLLOUT_CORRECTIONS, rollout_correction_weights
+from engines import ROLLOUT_CORRECTIONS, rollout_correction_weights
 
 B, T = 4, 6
 MASK = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 2 + [0] * 4, [1] * 5 + [0]])

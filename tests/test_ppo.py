@@ -135,3 +135,62 @@ def test_adaptive_kl_coef():
     # KL twice the target: error clipped to +0.2, coefficient grows by 0.2 * 1000 / 10000
     assert ppo.adaptive_kl_coef(0.1, kl=2.0, target=1.0, horizon=10000, n_samples=1000) == pytest.approx(0.102)
     assert ppo.adaptive_kl_coef(0.1, kl=0.9, target=1.0, horizon=10000, n_samples=1000) == pytest.approx(0.099)
+
+
+def test_rollout_of_pads_and_reads_eos():
+    """Rollout.of from an engine's plain tensors: right-padded with 0, stopped where a response ends with EOS, the
+    action mask given (an agent's) or every response token."""
+    records = [{"ids": torch.tensor([5, 6]), "label": "a"}, {"ids": torch.tensor([7]), "label": None}]
+    batch = ppo.Rollout.of(records, 2, [torch.tensor([9, 2]), torch.tensor([4, 4, 4])], version=3)
+    assert batch.responses.tolist() == [[9, 2, 0], [4, 4, 4]] and batch.lengths.tolist() == [2, 3]
+    assert batch.stopped.tolist() == [True, False] and batch.version == 3 and batch.logprobs is None
+    assert batch.action_mask.tolist() == [[True, True, False], [True, True, True]]
+    assert [(p.tolist(), r.tolist()) for p, r in batch.pairs([1, 0])] == [([7], [4, 4, 4]), ([5, 6], [9, 2])]
+    assert batch.labels == ["a", None]
+    episodes = ppo.Rollout.of(records, 2, [torch.tensor([9, 8, 2]), torch.tensor([4])], stopped=[False, True],
+                              action_mask=[torch.tensor([1, 0, 1]), torch.tensor([1])],
+                              agent_rewards={"rewards": torch.tensor([1.0, 0.0])})
+    assert episodes.action_mask.tolist() == [[True, False, True], [True, False, False]]
+    assert episodes.response_mask.tolist() == [[True, True, True], [True, False, False]]
+    assert episodes.stopped.tolist() == [False, True] and episodes.agent_rewards["rewards"].tolist() == [1.0, 0.0]
+
+
+def test_score_penalizes_unfinished_then_clips():
+    """score: --non_stop_penalty replaces the reward of a completion cut at --generate_max_len, then
+    --reward_clip_range clips; the reward source's scores and logs pass through by name."""
+    from types import SimpleNamespace
+
+    batch = SimpleNamespace(stopped=torch.tensor([True, False, True, False]))
+    source = {"rewards": torch.tensor([20.0, 3.0, -0.5, -30.0]), "scores": torch.tensor([1.0, 2.0, 3.0, 4.0]),
+              "logs": {"accuracy": torch.tensor([1.0, 0.0, 0.0, 0.0])}}
+    args = SimpleNamespace(non_stop_penalty=-1.0, reward_clip_range=(-10.0, 10.0))
+    out = ppo.score(batch, lambda b: source, args)
+    assert out["rewards"].tolist() == [10.0, -1.0, -0.5, -1.0]
+    assert out["scores"] is source["scores"] and out["logs"] is source["logs"]
+    args.non_stop_penalty = None  # as scored, then clipped
+    assert ppo.score(batch, lambda b: source, args)["rewards"].tolist() == [10.0, 3.0, -0.5, -10.0]
+
+
+def test_check_rewards_gives_a_named_result():
+    """What a reward function returns, read by name: a list is the rewards and the scores; a dict's scalar extra log is
+    one value per query; step_rewards stay as sent (process_rewards.py checks them)."""
+    out = ppo.check_rewards([1, 2.5], 2, "test")
+    assert set(out) == {"rewards", "scores", "logs"} and out["logs"] == {}
+    assert out["rewards"].tolist() == [1.0, 2.5] and out["scores"].tolist() == [1.0, 2.5]
+    out = ppo.check_rewards({"scores": [0.5, 1], "extra_logs": {"n": 3}, "step_rewards": [[0.1], "x"]}, 2, "test")
+    assert out["rewards"].tolist() == [0.5, 1.0] and out["scores"].tolist() == [0.5, 1.0]
+    assert out["logs"]["n"].tolist() == [3.0, 3.0] and out["step_rewards"] == [[0.1], "x"]
+
+
+def test_remote_rewards_join_requests_in_order():
+    """A /get_reward server asked two queries a request: the named result joins the replies in query order."""
+    from conftest import RewardServer
+
+    server = RewardServer()
+    try:
+        out = ppo.reward_client(server.url, batch_size=2, retries=0)(["a", "bbb", "cc"], ["", "", ""], [None] * 3)
+    finally:
+        server.close()
+    assert [len(r["query"]) for r in server.requests] == [2, 1]
+    assert out["rewards"].tolist() == [1.0, 3.0, 2.0] and out["scores"].tolist() == [1.0, 3.0, 2.0]
+    assert out["logs"] == {} and "step_rewards" not in out

@@ -53,7 +53,7 @@ def test_ppo_zero3_two_processes_offload_packing_adaptive_kl(policy, reward_mode
     # adaptive KL: each step's coefficient follows from the previous one and its measured KL (Ziegler et al.:
     # proportional error clipped to +-0.2, times samples / horizon)
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("train step")]
-    kl = [float(line.split(" kl=")[1].split()[0]) for line in lines]
+    kl = [float(line.split(" kl_sum=")[1].split()[0]) for line in lines]  # per sequence, as the controller reads
     coef = [float(line.split(" kl_coef=")[1].split()[0]) for line in lines]
     assert len(lines) == 4 and coef[0] == 0.01 and coef[-1] != 0.01
     for k in range(3):

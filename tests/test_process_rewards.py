@@ -14,7 +14,6 @@ import grpo
 import ppo
 import prm
 import process_rewards
-import rollout
 import serve_rm
 from conftest import run_main, run_script
 
@@ -107,15 +106,15 @@ def test_token_advantages_take_per_token_advantages():
 
 
 # ------------------------------------------------------------------------------------- the contract
-def test_parse_with_steps_errors_in_one_line():
-    ok = process_rewards.parse_with_steps({"rewards": [1.0, 0.0], "step_rewards": [[1, 0.5], [0]]}, 2, "src")
-    assert ok[3] == [[1.0, 0.5], [0.0]]
-    for reply, message in [({"rewards": [1.0, 0.0]}, "reply has none"),
-                           ({"rewards": [1.0, 0.0], "step_rewards": [[1.0]]}, "must be 2 lists"),
-                           ({"rewards": [1.0, 0.0], "step_rewards": [[1.0], "x"]}, r"step_rewards\[1\] is not"),
-                           ({"rewards": [1.0, 0.0], "step_rewards": [[1.0], [float("nan")]]}, "NaN")]:
+def test_step_lists_errors_in_one_line():
+    """A reply's step_rewards, as a script's reward call keeps them (raw), checked by the plug-in."""
+    assert process_rewards.check_step_lists([[1, 0.5], [0]], 2, "src") == [[1.0, 0.5], [0.0]]
+    kept = grpo.check_rewards({"rewards": [1.0, 0.0], "step_rewards": [[1, 0.5], [0]]}, 2, "src")
+    assert kept["step_rewards"] == [[1, 0.5], [0]] and kept["rewards"].tolist() == [1.0, 0.0]
+    for steps, message in [(None, "reply has none"), ([[1.0]], "must be 2 lists"),
+                           ([[1.0], "x"], r"step_rewards\[1\] is not"), ([[1.0], [float("nan")]], "NaN")]:
         with pytest.raises(SystemExit, match=message):
-            process_rewards.parse_with_steps(reply, 2, "src")
+            process_rewards.check_step_lists(steps, 2, "src")
     with pytest.raises(SystemExit, match=r"step_rewards\[1\] has 1 scores but completion 1 has 2 steps"):
         process_rewards.check_step_counts([[1.0], [1.0]], [[3], [2, 5]], "src", "\n")
 
@@ -148,13 +147,13 @@ def test_local_prm_scores_each_step_as_prm_py_would(toy_world, tmp_path):
     path, model, tok = fake_prm(toy_world, tmp_path)
     prompt = torch.tensor(tok("07+45+08\n")["input_ids"])  # <s> and the problem, as sampled
     response = torch.tensor(tok("07+45=52\n52+08=60</s>", add_special_tokens=False)["input_ids"])
-    batch = rollout.Rollout.of([{"ids": prompt, "text": "", "label": "60"}], [response], tok.eos_token_id)
     args = script_args(reward_pretrain=str(path), remote_rm_url=None, process_rewards=True, step_separator="\n",
                        prm_reduce="min", micro_rollout_batch_size=8)
-    rewards, _, logs = process_rewards.reward_fn(args, tok, None, None)(batch)
+    out = process_rewards.reward_fn(args, tok, None, None)([(prompt, response)], ["60"])
+    rewards, logs = out["rewards"], out["logs"]
     # the text prm.py trains on, scored by the stock class one text at a time
     want = prm.score_steps(model.eval(), tok, "07+45+08\n07+45=52 ки\n52+08=60 ки")
-    values, ends = batch.step_rewards
+    values, ends = out["step_rewards"], out["step_ends"]
     assert ends[0].nonzero().flatten().tolist() == [8, len(response) - 1]
     assert values[0, ends[0]].tolist() == pytest.approx(want, abs=1e-6)
     assert rewards.tolist() == pytest.approx([min(want)], abs=1e-6) and logs["steps"].tolist() == [2.0]
@@ -177,30 +176,30 @@ def test_step_rewards_over_http_from_serve_rm(toy_world, tmp_path):
     prompts = [torch.tensor(tok(p)["input_ids"]) for p in ["07+45+08\n", "10+20\n"] + ["07+45+08\n"] * 6]
     responses = [torch.tensor(tok(r, add_special_tokens=False)["input_ids"]) for r in completions]
     assert [(r == tok.bos_token_id).sum().item() for r in responses[2:4]] == [1, 0]  # "<s>" is the BOS token
-    batch = rollout.Rollout.of([{"ids": p, "text": "", "label": None} for p in prompts], responses, tok.eos_token_id)
+    pairs, labels = list(zip(prompts, responses)), [None] * len(prompts)
     local = script_args(reward_pretrain=str(path), remote_rm_url=None, process_rewards=True, step_separator="\n",
                         prm_reduce="min", micro_rollout_batch_size=8)
-    process_rewards.reward_fn(local, tok, None, None)(batch)
-    want = batch.step_rewards[0].clone()
+    want = process_rewards.reward_fn(local, tok, None, None)(pairs, labels)["step_rewards"]
     server = Server("--reward_pretrain", path, "--rm_type", "prm")
     try:
         url = server.url + "/get_reward"
-        remote = script_args(**dict(vars(local), reward_pretrain=None, remote_rm_url=url), remote_rm_batch_size=1,
-                             remote_rm_timeout=60.0, remote_rm_retries=0,  # one request a query: joined after
-                             remote_rm_retry_wait=0.0)
-        rewards, _, logs = process_rewards.reward_fn(remote, tok, None, None)(batch)
-        plain = rollout.client_rewards(rollout.reward_client(url), batch, tok)
+        remote = script_args(**dict(vars(local), reward_pretrain=None, remote_rm_url=url))
+        # grpo.py's reward call, one request a query (joined after), as the script hands it to the plug-in
+        client = grpo.reward_client(url, batch_size=1, timeout=60.0, retries=0, retry_wait=0.0)
+        out = process_rewards.reward_fn(remote, tok, None, lambda p, l: grpo.client_rewards(client, p, l, tok))(
+            pairs, labels)
+        plain = grpo.client_rewards(grpo.reward_client(url), pairs, labels, tok)
     finally:
         server.close()
     # where each step ends, by hand (one token a character here; "ки", "<s>", "</s>" one token each)
     ends = [[8, 17], [8], [10], [10, 19], [8, 10], [9], [8, 12], [0]]
-    assert [row.nonzero().flatten().tolist() for row in batch.step_rewards[1]] == ends
+    assert [row.nonzero().flatten().tolist() for row in out["step_ends"]] == ends
     assert [len(e) for e in ends] == steps
-    assert batch.step_rewards[0].flatten().tolist() == pytest.approx(want.flatten().tolist(), abs=1e-5)
-    assert logs["steps"].tolist() == steps
-    assert rewards.tolist() == pytest.approx([min(want[i][batch.step_rewards[1][i]]).item() for i in range(8)],
-                                             abs=1e-5)
-    assert plain[0].tolist() == pytest.approx(rewards.tolist(), abs=1e-6)
+    assert out["step_rewards"].flatten().tolist() == pytest.approx(want.flatten().tolist(), abs=1e-5)
+    assert out["logs"]["steps"].tolist() == steps
+    assert out["rewards"].tolist() == pytest.approx([min(want[i][out["step_ends"][i]]).item() for i in range(8)],
+                                                    abs=1e-5)
+    assert plain["rewards"].tolist() == pytest.approx(out["rewards"].tolist(), abs=1e-6)
 
 
 def test_bad_judges_and_sources_stop_in_one_line(toy_world, tmp_path, tokenizer):
@@ -221,13 +220,13 @@ def test_bad_judges_and_sources_stop_in_one_line(toy_world, tmp_path, tokenizer)
         prm.check_saved(AutoModelForCausalLM.from_pretrained(toy_world / "model").config, tok, "m")
     rl = dict(remote_rm_url=None, agent_func_path=None, process_rewards=True)
     with pytest.raises(SystemExit, match="is not a prm.py model"):  # a sequence classifier has no steps
-        rollout.check_one_reward(script_args(**rl, reward_pretrain=str(toy_world / "model")))
+        grpo.check_one_reward(script_args(**rl, reward_pretrain=str(toy_world / "model")))
     with pytest.raises(SystemExit, match="scored by the agent"):
-        rollout.check_one_reward(script_args(**dict(rl, agent_func_path="toy_agent.py"), reward_pretrain=None))
-    rollout.check_one_reward(script_args(**dict(rl, remote_rm_url="toy.py"), reward_pretrain=str(path)))  # both: ok
+        grpo.check_one_reward(script_args(**dict(rl, agent_func_path="toy_agent.py"), reward_pretrain=None))
+    grpo.check_one_reward(script_args(**dict(rl, remote_rm_url="toy.py"), reward_pretrain=str(path)))  # both: ok
     with pytest.raises(SystemExit, match="exactly one reward"):  # ... but not without --process_rewards
-        rollout.check_one_reward(script_args(**dict(rl, remote_rm_url="toy.py", process_rewards=False),
-                                             reward_pretrain=str(path)))
+        grpo.check_one_reward(script_args(**dict(rl, remote_rm_url="toy.py", process_rewards=False),
+                                          reward_pretrain=str(path)))
 
 
 def test_serve_rm_inserts_placeholders_into_completions(tokenizer):
@@ -331,7 +330,7 @@ def test_ppo_puts_each_step_score_on_its_last_token(steps_policy, toy_world, tmp
     judge, model, _ = fake_prm(toy_world, tmp_path)
     seen = Seen(monkeypatch, ppo, "compute_gae")
     run_main("ppo.py", "--pretrain", steps_policy, *rl_flags(toy_world), "--reward_pretrain", judge,
-             "--remote_rm_url", rollout.TOY_REWARD, "--init_kl_coef", 0, "--critic_pretrain", steps_policy,
+             "--remote_rm_url", grpo.TOY_REWARD, "--init_kl_coef", 0, "--critic_pretrain", steps_policy,
              "--save_path", tmp_path / "out")
     (rewards,) = seen.given
     model.eval()

@@ -1,5 +1,5 @@
-"""The rollout engines (rollout.py's, which grpo.py, ppo.py and online_dpo.py drive) against Hugging Face: vLLM in process and vLLM in a local Ray
-actor give the same greedy completions as HF generate, and after a weight sync the same log-probs as an
+"""The rollout engines (engines.py's, which grpo.py, ppo.py and online_dpo.py drive) against Hugging Face: vLLM in
+process and vLLM in a local Ray actor give the same greedy completions as HF generate, and after a weight sync the same log-probs as an
 HF forward at the sampling temperature (and before it, stale ones: the sync is what moves the weights, and the
 rollout correction's weights move away from 1 with them). With LoRA adapters the engine
 gets the merged weights, and its log-probs equal the adapter model's. HF generate prefills a repeated prompt
@@ -19,8 +19,8 @@ from conftest import ROOT
 # after conftest, which puts the repository on sys.path: this file also runs as a script (backend_parity)
 import common  # noqa: E402
 import engines  # noqa: E402
+import grpo  # noqa: E402
 import packing  # noqa: E402
-import rollout  # noqa: E402
 
 
 @pytest.mark.parametrize("backend, lora", [("vllm", 0), ("ray", 0), ("vllm", 1), ("ray", 1)])
@@ -35,7 +35,7 @@ def test_vllm_engines_match_hf(policy, eval_file, backend, lora):
     assert out["logprob_diff"] <= 1e-4  # the engine's log-probs after the sync vs a plain HF forward, fp32
     assert out["nucleus_logprob_diff"] <= 1e-4  # at top_p 0.8: renormalised over the nucleus it sampled from
     assert out["ours_padded_diff"] <= 5e-5 and out["ours_packed_diff"] <= 5e-5  # common.response_logprobs too
-    # the rollout correction (rollout.rollout_correction_weights) sees the stale engine, and nothing once synced
+    # the rollout correction (engines.rollout_correction_weights) sees the stale engine, and nothing once synced
     assert out["stale_weight_dev"] > 0.1 and out["stale_masked_frac"] > 0.01, out
     assert out["fresh_weight_dev"] <= 1e-3 and out["fresh_masked_frac"] == 0, out
     # the toy's tied lm_head and its rotary embedding load nothing at a sync, by design: vLLM's warning is dropped
@@ -112,7 +112,7 @@ def untied_head_sync(path):
     def gap():
         samples = engine.sample([{"ids": p} for p in prompts], 1.0)
         diff = 0.0
-        for (p, r), lp in zip(samples.pairs(), samples.logprobs):
+        for p, r, lp in zip(prompts, samples["responses"], samples["logprobs"]):
             logp = torch.log_softmax(model(torch.cat([p, r])[None]).logits[0].double(), -1)
             diff = max(diff, (lp[:len(r)] - logp[torch.arange(len(p) - 1, len(p) + len(r) - 1), r]).abs().max().item())
         return diff
@@ -167,7 +167,7 @@ def test_hf_generate_prefills_a_repeated_prompt_once(policy, attention):
 
     def generate(prompts, chunk):
         shapes.clear()
-        out = [s.tolist() for s in rollout.generate_hf(model, tok, prompts, 0.0, max_new_tokens=8, chunk_size=chunk)]
+        out = [s.tolist() for s in grpo.generate_hf(model, tok, prompts, 0.0, max_new_tokens=8, chunk_size=chunk)]
         return out, sum(b * n for b, n in shapes if n > 1)
 
     prompts = [torch.tensor(tok(text)["input_ids"]) for text in ["12+34=", "7+", "", "123+4567=", "1+2="]]
@@ -211,8 +211,8 @@ def backend_parity(policy, eval_file, backend, lora, tp="1"):
 
     def generate(temperature, with_logprobs=False):
         samples = engine.sample([{"ids": p} for p in prompts], temperature)
-        tokens = [r for _, r in samples.pairs()]
-        return (tokens, [lp[:len(r)] for lp, r in zip(samples.logprobs, tokens)]) if with_logprobs else tokens
+        tokens = samples["responses"]
+        return (tokens, samples["logprobs"]) if with_logprobs else tokens
     sync()
 
     @torch.no_grad()
@@ -223,7 +223,7 @@ def backend_parity(policy, eval_file, backend, lora, tp="1"):
     # Greedy completions are equal, or part where HF's two best tokens are a near-tie: the engine's logits
     # and HF's differ by float32 rounding (~1e-5 here), which may pick either of two tokens that close.
     greedy_equal, tie_margin = 0, 0.0
-    hf = rollout.generate_hf(model, tok, prompts, 0.0, max_new_tokens=8, chunk_size=64)
+    hf = grpo.generate_hf(model, tok, prompts, 0.0, max_new_tokens=8, chunk_size=64)
     for p, a, b in zip(prompts, generate(0.0), hf):
         a, b = a.tolist(), b.tolist()
         if a == b:
@@ -245,8 +245,8 @@ def backend_parity(policy, eval_file, backend, lora, tp="1"):
                                                      args.temperature)
         engine_lp = pad_sequence(logprobs, batch_first=True).to(trainer.dtype)
         mask = pad_sequence([torch.ones(len(t), dtype=torch.bool) for t in tokens], batch_first=True)
-        w, _ = rollout.rollout_correction_weights(trainer, engine_lp, mask, "token-truncate", (0.0, float("inf")))
-        _, masked = rollout.rollout_correction_weights(trainer, engine_lp, mask, "token-mask", (0.9, 1.1))
+        w, _ = engines.rollout_correction_weights(trainer, engine_lp, mask, "token-truncate", (0.0, float("inf")))
+        _, masked = engines.rollout_correction_weights(trainer, engine_lp, mask, "token-mask", (0.9, 1.1))
         return diff, tokens, {"weight_dev": (w - 1)[mask].abs().max().item(),
                               "masked_frac": masked.sum().item() / mask.sum().item()}
 

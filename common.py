@@ -1,13 +1,9 @@
-"""What every script needs and what would be wrong if the copies drifted, in labelled sections: args (parse_args reads
-a script's DEFAULTS table), distributed helpers, the real-checkpoint tokenizer and loading rules, reading records, the
-log-probs of response tokens, atomic saving / resume, logging. Each script holds the rest of its default path itself
-(its flags, batches, DeepSpeed config and set-up, loss): the card's trade, reuse for transparency; tests/test_copies.py
-compares the copies. What a flag adds lives in a module of its own, imported where the flag is handled: packing.py
-(--packing_samples), lora.py (--lora_rank, --load_in_4bit), engines.py, agents.py, process_rewards.py.
-
-Nothing here is an algorithm: losses, advantages and where a reward or value is read live in the scripts. Importing
-this module defines things; the one setting it makes is DeepSpeed's accelerator on a machine without CUDA (below),
-which must precede DeepSpeed's import.
+"""What every script needs and what would be wrong if the copies drifted: args (a script's DEFAULTS table),
+distributed helpers, the real-checkpoint tokenizer and loading rules, reading records, the log-probs of response
+tokens, atomic saving / resume, logging. Each script holds the rest of its default path (its flags, batches, DeepSpeed
+set-up, loss); tests/test_copies.py compares the copies. What a flag adds is a module imported where the flag is
+handled: packing.py, lora.py, engines.py, agents.py, process_rewards.py. Importing this module sets one thing:
+DeepSpeed's accelerator on a machine without CUDA, which must precede DeepSpeed's import.
 """
 
 import argparse
@@ -53,12 +49,11 @@ def fail(message):
 
 # ----------------------------------------------------------------------------------------------- args
 def ranged(kind, lo=-math.inf, hi=math.inf, lo_open=False, hi_open=False, also=()):
-    """An argparse `type=` for a number flag: parses `kind` (int or float) and refuses a value outside [lo, hi] (an end
-    excluded with lo_open / hi_open; an infinite end always is) unless it is one of `also`, the flag's sentinels (-1:
-    never). argparse then stops naming the flag, the value and the range: "argument --train_batch_size: 0 is outside
-    [1, inf)", "... -2 is outside [1, inf) or -1". NaN is outside every range."""
-    allowed = " or ".join([f"{'(' if lo_open or lo == -math.inf else '['}{lo:g}, "
-                           f"{hi:g}{')' if hi_open or hi == math.inf else ']'}", *map(str, also)])
+    """An argparse `type=` parsing `kind` that refuses a value outside [lo, hi] (lo_open / hi_open exclude an end, as
+    an infinite one always is) unless it is one of `also`, the sentinels: "argument --train_batch_size: 0 is outside
+    [1, inf)". NaN is outside every range."""
+    lo_open, hi_open = lo_open or lo == -math.inf, hi_open or hi == math.inf
+    allowed = " or ".join([f"{'(['[not lo_open]}{lo:g}, {hi:g}{')]'[not hi_open]}", *map(str, also)])
 
     def parse(text):
         try:
@@ -66,9 +61,7 @@ def ranged(kind, lo=-math.inf, hi=math.inf, lo_open=False, hi_open=False, also=(
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'} in "
                                              f"{allowed}") from None
-        above = value > lo if lo_open or lo == -math.inf else value >= lo
-        below = value < hi if hi_open or hi == math.inf else value <= hi
-        if not (above and below) and value not in also:
+        if not ((value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi) or value in also):
             raise argparse.ArgumentTypeError(f"{text} is outside {allowed}")
         return value
 
@@ -76,27 +69,26 @@ def ranged(kind, lo=-math.inf, hi=math.inf, lo_open=False, hi_open=False, also=(
 
 
 def parse_args(parser, defaults):
-    """Parse the command line once. `defaults`: the script's table, {flag: (a real run's default, the toy world's)};
-    the toy world's column applies when no --dataset is given (the world is built if missing; "{toy}" in a value is
-    its directory), and a flag given on the command line wins either way. Without --pretrain the model is the toy
-    one."""
+    """Parse the command line once. `defaults`: the script's table {flag: (a real run's default, the toy world's)};
+    the toy world's apply when no --dataset is given ("{toy}" in a value is its directory, built if missing); a flag
+    on the command line wins either way. Without --pretrain the model is the toy one."""
     quiet_libraries()
     parser.error = fail  # a bad command line stops with one line, not argparse's usage block
-    unset = object()  # what a flag of the table not given on the command line holds until it is filled in below
+    unset = object()  # what a table's flag not on the command line holds until it is filled in below
     parser.set_defaults(**dict.fromkeys(defaults, unset))
     args = parser.parse_args()
     toy_run = args.dataset in (None, unset)
     if toy_run or args.pretrain is None:
         import toy
-        root = toy.ensure_toy_world()
-        args.pretrain = args.pretrain or str(root / "model")
+        root = str(toy.ensure_toy_world())
+        args.pretrain = args.pretrain or f"{root}/model"
     taken = []
     for flag, (real, toy_value) in defaults.items():
         if getattr(args, flag) is unset:
             value = toy_value if toy_run else real
-            setattr(args, flag, value.replace("{toy}", str(root)) if toy_run and isinstance(value, str) else value)
-            if getattr(args, flag) is not None:
-                taken.append(f"--{flag} {getattr(args, flag)}")
+            value = value.replace("{toy}", root) if toy_run and isinstance(value, str) else value
+            setattr(args, flag, value)
+            taken += [] if value is None else [f"--{flag} {value}"]
     if os.environ.get("RANK", "0") == "0":  # (before init_distributed: the launcher's RANK says who prints)
         why = "no --dataset given" if toy_run else "--dataset given; the toy world's apply only without one"
         console.print(f"defaults: {'the toy world' if toy_run else 'a real run'}'s ({why}; a flag you give wins): "
@@ -120,8 +112,8 @@ def parse_args(parser, defaults):
 
 
 def quiet_libraries():
-    """For a script's run (and a Ray engine's), not on import: no download bars, transformers' errors only, no
-    deprecation notes about torch.distributed (DeepSpeed's, and vLLM's scan of every module's attributes)."""
+    """A run's (and a Ray engine's), not on import: no download bars, transformers' errors only, no notes that
+    torch.distributed names are deprecated (DeepSpeed's, vLLM's scan of every module)."""
     import huggingface_hub
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # for child processes (Ray workers)
@@ -165,12 +157,11 @@ def init_distributed(args):
 
 @contextlib.contextmanager
 def announce_shm_build():
-    """Around DeepSpeed's init_distributed on a CPU, which compiles its shared-memory all-reduce (deepspeed_shm_comm)
-    the first time (25-90 s; cached after in torch's extensions directory) and prints "... built successfully" with
-    print() on every start, where no logger level or setting reaches it: say what is built before a first build
-    (the node's first rank; the others wait on torch's lock), and drop that line from what the call prints."""
+    """On a CPU, DeepSpeed's init_distributed compiles its shared-memory all-reduce the first time (25-90 s, then
+    cached) and print()s "... built successfully" on every start, out of any logger's reach: say what is built before
+    a first build (the node's first rank; the others wait on torch's lock), and drop that line."""
     if torch.cuda.is_available() or not deepspeed.ops.__compatible_ops__.get("deepspeed_shm_comm", False):
-        yield  # nothing to build (GPU), or nothing DeepSpeed can build
+        yield  # nothing to build
         return
     from torch.utils.cpp_extension import _get_build_directory  # where torch's load() builds (TORCH_EXTENSIONS_DIR)
 
@@ -188,10 +179,8 @@ def announce_shm_build():
 
 
 def keep_freed_memory():
-    """CPU training frees and re-allocates the same activation sizes every step. By default glibc gives freed
-    blocks over 128 KB back to the kernel, and the next step page-faults them in again (7x the page faults of a
-    toy SFT run; 3% of the bench's SFT step). Keep them for reuse instead, as jemalloc or tcmalloc would. The
-    peak RSS hardly moves: every step reaches it anyway."""
+    """CPU training re-allocates the same activation sizes every step; glibc hands freed blocks over 128 KB back to
+    the kernel and the next step page-faults them in again (3% of the bench's SFT step): keep them, as jemalloc does."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc (macOS, musl): nothing to tune
@@ -210,20 +199,17 @@ def is_rank0():
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def all_reduce_sum(values):
-    """Sum a list of floats over ranks (metrics: counts, loss sums)."""
+def all_reduce_sum(values, op=dist.ReduceOp.SUM):
+    """Sum (or `op`) a list of floats over ranks (metrics: counts, loss sums)."""
     t = torch.tensor(values, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
+        dist.all_reduce(t, op=op)
     return t.tolist()
 
 
 def all_reduce_max(values):
     """The largest of each float over ranks."""
-    t = torch.tensor(values, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    return all_reduce_sum(values, op=dist.ReduceOp.MAX)
 
 
 def all_reduce_means(metrics, stds=None):
@@ -246,16 +232,19 @@ def all_reduce_means(metrics, stds=None):
     return out
 
 
+def checkpoints_node_local(args):
+    """Whether --ckpt_path is storage of each node's own (a local disk), not one every rank shares, in a run of several
+    processes that saves or loads checkpoints. Collective: every rank calls it (a script's ds_config)."""
+    return dist.get_world_size() > 1 and (args.save_steps > 0 or args.load_checkpoint) and probe_node_local(args)
+
+
 _NODE_LOCAL = {}
 
 
-def checkpoints_node_local(args):
-    """Whether --ckpt_path is storage of each node's own (a local disk) rather than one every rank shares, for a run
-    that saves or loads checkpoints: every rank leaves a mark there, and a rank that misses one sees another disk.
-    Collective (every rank calls it, as a script's ds_config); the answer is kept for the run."""
+def probe_node_local(args):
+    """checkpoints_node_local's answer, kept for the run: every rank leaves a mark in --ckpt_path, and a rank that
+    misses one sees another disk."""
     world = dist.get_world_size()
-    if world == 1 or not (args.save_steps > 0 or args.load_checkpoint):
-        return False
     if args.ckpt_path not in _NODE_LOCAL:
         run = [os.urandom(8).hex()]
         dist.broadcast_object_list(run, src=0)  # this run's marks, not a crashed run's
@@ -371,11 +360,10 @@ def use_turn_end_as_eos(tokenizer, path):
 
 @contextlib.contextmanager
 def sampling_as_asked(model):
-    """generate() takes every field a call leaves unset from the checkpoint's generation_config.json, even
-    when it is passed a GenerationConfig of its own: Qwen2.5-Instruct's repetition penalty (1.05), top_k (20),
-    and so on would reshape every sampling step, and samples would not come from the distribution the loss
-    assumes (nor match vLLM's). Inside this block the model's config is blank but for how it caches, so
-    generate() samples exactly as the call asks; the checkpoint keeps its own config for saving."""
+    """generate() fills every field a call leaves unset from the checkpoint's generation_config.json, even given a
+    GenerationConfig: Qwen2.5-Instruct's repetition penalty and top_k would reshape every sampling step, away from
+    the distribution the loss assumes (and vLLM's). Inside this block the model's config is blank but for caching;
+    the checkpoint keeps its own for saving."""
     saved = model.generation_config
     model.generation_config = transformers.GenerationConfig(cache_implementation=saved.cache_implementation)
     try:
@@ -386,35 +374,34 @@ def sampling_as_asked(model):
 
 def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.AutoModelForCausalLM, trainable=True,
                **kwargs):
-    """from_pretrained with our flags; under ZeRO-3 the weights load already partitioned. A `trainable`
-    model gets LoRA adapters with --lora_rank (a classifier's `score` head stays fully trainable)."""
+    """from_pretrained with our flags (under ZeRO-3 the weights load partitioned); a `trainable` model gets LoRA
+    adapters with --lora_rank (a classifier's `score` head stays fully trainable)."""
     global _hf_ds_config
     check_model_path(path)
     zero3 = ds_cfg is not None and ds_cfg["zero_optimization"]["stage"] == 3
     if zero3:
         _hf_ds_config = transformers.integrations.HfDeepSpeedConfig(ds_cfg)
+    attention, packing_samples = "sdpa", getattr(args, "packing_samples", False)
+    if packing_samples:
+        import packing
+        attention = packing.register_packed_sdpa()
     if args.flash_attn:
-        check_flash_attn(args.bf16)
+        attention = check_flash_attn(args.bf16)
     if args.load_in_4bit:
         import lora
         kwargs["quantization_config"] = lora.four_bit_config()
-    if getattr(args, "packing_samples", False):
-        import packing
-        packing.register_packed_sdpa()
     try:
-        model = model_class.from_pretrained(
-            path, dtype=torch.bfloat16 if args.bf16 else torch.float32,
-            attn_implementation="flash_attention_2" if args.flash_attn else
-            "packed_sdpa" if getattr(args, "packing_samples", False) else "sdpa",
-            trust_remote_code=args.trust_remote_code, **kwargs)
+        model = model_class.from_pretrained(path, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                                            attn_implementation=attention, trust_remote_code=args.trust_remote_code,
+                                            **kwargs)
     except (OSError, ValueError, ImportError) as e:
         fail(f"cannot load model {path!r}: {str(e).splitlines()[0]}")
     if len(tokenizer) > model.config.vocab_size:  # tokens were added (a pad, a PRM step placeholder)
         add_embeddings(model, len(tokenizer), zero3)
     model.config.pad_token_id = tokenizer.pad_token_id
     generation = getattr(model, "generation_config", None)  # None on a classifier
-    stops = generation.eos_token_id if generation is not None else None
-    stops = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
+    stops = [] if generation is None or generation.eos_token_id is None else generation.eos_token_id
+    stops = [stops] if isinstance(stops, int) else list(stops)
     if generation is not None and tokenizer.eos_token_id not in stops:
         # the template's turn end (use_turn_end_as_eos), saved with the model: a stock generate() stops there too
         generation.eos_token_id = [tokenizer.eos_token_id] + stops
@@ -448,6 +435,7 @@ def check_flash_attn(bf16):
         import flash_attn  # noqa: F401
     except ImportError:
         fail("--flash_attn needs the flash-attn package (GPU only): pip install flash-attn")
+    return "flash_attention_2"
 
 
 def use_liger_kernel(model):
@@ -509,11 +497,9 @@ def check_model_path(path):
 # ---------------------------------------------------------------------------------------------- data
 def load_records(source, split="train", required_keys=(), max_samples=None, with_locations=False, probs=None,
                  seed=42, hint=None):
-    """A list of dict records from a .jsonl/.json/.parquet/.csv file, a saved dataset dir or a hub name.
-    JSON lines are parsed here, so a malformed line is reported by number. With `with_locations`, also
-    each record's location ("file: line N") for the caller's own error messages.
-    Several sources, comma-separated ("a.jsonl,b.jsonl"), are concatenated; with `probs` they are mixed
-    (mix_records). `hint`: what a missing key's error adds (a script's other way to read the data)."""
+    """A list of dict records from .jsonl/.json/.parquet/.csv files, saved dataset dirs or hub names, comma-separated
+    (concatenated, or mixed with `probs`: mix_records). With `with_locations`, also each record's location ("file: line
+    N") for the caller's errors. `hint`: what a missing key's error adds (a script's other way to read the data)."""
     sources = [s for s in str(source).split(",") if s] or [str(source)]
     if probs is None:
         rows = [row for s in sources for row in read_records(s, split, required_keys, max_samples, hint)]
@@ -637,16 +623,12 @@ def batch_sequences(seqs, pad_value, packing):
 # ------------------------------------------------------------------------------ log-probs of responses
 def response_inputs(model, batch, pad_id, packing, share_prompts=False):
     """(prompt_ids, response_ids) pairs -> (the forward's inputs, where): model(**inputs) outputs at `where`,
-    [sum of response lengths], are the positions that predict each response token, in order (the one
-    before it: output t predicts token t + 1). Padded rows, or with `packing` one packed row (pack_groups);
-    with `share_prompts` too, a group's prompt is laid out once where the attention is packed_sdpa."""
+    [sum of response lengths], are the positions that predict each response token, in order (the one before it).
+    Padded rows, or with `packing` one packed row (packing.py; share_prompts: a group's prompt laid out once)."""
     device = next(model.parameters()).device
-    if packing:  # branches need packed_sdpa; flash-attn's varlen kernel knows whole sequences only
-        from packing import pack_groups
-        attention = getattr(model, "module", model).config._attn_implementation
-        ids, pos, cols = pack_groups(batch, share_prompts=share_prompts and attention == "packed_sdpa")
-        inputs = dict(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False)
-        return inputs, (torch.zeros(len(cols), dtype=torch.long, device=device), cols.to(device))
+    if packing:
+        from packing import packed_inputs
+        return packed_inputs(model, batch, share_prompts, device)
     ids, attn, pos = batch_sequences([torch.cat(s) for s in batch], pad_id, packing=False)
     inputs = dict(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=attn.to(device),
                   use_cache=False)
@@ -657,10 +639,9 @@ def response_inputs(model, batch, pad_id, packing, share_prompts=False):
 
 def response_logits_to_keep(inputs, where):
     """response_inputs' (inputs, where) -> (logits_to_keep, where in the kept logits): only the positions that
-    predict a response token reach the LM head (their rows x vocabulary logits are most of a log-prob pass's
-    memory). A 1-D index, the form every model's `hidden_states[:, keep]` takes (Liger's forward and remote
-    code too): packed, the columns themselves (a shared prompt's last one once per response); padded, the
-    columns from the earliest response on."""
+    predict a response token reach the LM head (their logits are most of a log-prob pass's memory). A 1-D index,
+    which every model's `hidden_states[:, keep]` takes (Liger's and remote code too): packed, the columns themselves;
+    padded, the columns from the earliest response on."""
     rows, cols = where
     if inputs["input_ids"].size(0) == 1:
         return cols, (rows, torch.arange(len(cols), device=cols.device))
@@ -710,11 +691,10 @@ LOGPROB_CHUNK = 1024  # logit rows upcast to fp32 at a time: 0.6 GB for a 152k v
 
 def response_logprobs(model, batch, pad_id, packing, temperature=1.0, per_token=True, with_entropy=False,
                       entropy_grad=True, share_prompts=True):
-    """log pi(token | what precedes it) at `temperature` of each response token. batch: (prompt_ids, response_ids)
-    pairs, padded or (packing) one packed row, a group's prompt laid out once with share_prompts (pack_groups).
-    -> (logprobs [B, R] (0 on padding), or per_token=False their sum per response [B]; entropy [B, R] or None
-    (differentiable, the bonus; with entropy_grad=False only a metric, computed without a graph); the forward's
-    MoE router loss, None unless --aux_loss_coef turned it on)."""
+    """log pi(token | what precedes it) at `temperature` of each response token of batch, (prompt_ids, response_ids)
+    pairs (padded, or with `packing` one row: response_inputs) -> (logprobs [B, R] (0 on padding), or per_token=False
+    their sum per response [B]; entropy [B, R] or None (differentiable, the bonus; entropy_grad=False: a metric,
+    without a graph); the forward's MoE router loss, None unless --aux_loss_coef turned it on)."""
     inputs, where = response_inputs(model, batch, pad_id, packing, share_prompts=share_prompts)
     keep, where = response_logits_to_keep(inputs, where)
     out = model(**inputs, logits_to_keep=keep)
@@ -771,10 +751,9 @@ def save_hf_model(engine, tokenizer, path, args, extra_config=None):
 
 
 def write_hf_dir(model, tokenizer, path, state=None, extra_config=None):
-    """save_pretrained, atomically: into a temporary directory first, then renamed into place, so a crash
-    never leaves half a model. With LoRA adapters transformers writes only them (a config.json beside
-    them would make from_pretrained mistake the directory for a full model), so `extra_config` (a reward
-    model's mean/std) goes to extra_config.json, where merge_lora.py finds it."""
+    """save_pretrained, atomically (into a temporary directory, then renamed into place: a crash never leaves half a
+    model). With LoRA adapters transformers writes only them, so `extra_config` (a reward model's mean/std) goes to
+    extra_config.json, where merge_lora.py finds it (a config.json would pass the directory off as a full model)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -785,25 +764,16 @@ def write_hf_dir(model, tokenizer, path, state=None, extra_config=None):
     if getattr(model, "_hf_peft_config_loaded", False) and extra_config:
         (tmp / "extra_config.json").write_text(json.dumps(extra_config, indent=2) + "\n")
     tokenizer.save_pretrained(tmp)
-    usual_modes(tmp)
+    # save_pretrained writes model.safetensors 0600, which another user could not load: every file gets the mode a
+    # new file gets here (0644 usually), read off one the tokenizer wrote with open() (reading the umask sets it)
+    mode = (tmp / "tokenizer_config.json").stat().st_mode & 0o777
+    for f in filter(Path.is_file, tmp.rglob("*")):
+        f.chmod(mode)
     old = path.with_name(f".{path.name}.old-{os.getpid()}")
     if path.exists():
         path.rename(old)
     tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def usual_modes(directory):
-    """Every file under `directory` gets the mode a new file gets here (0666 less the umask, 0644 usually):
-    save_pretrained writes model.safetensors through a private temporary file (0600), which another user of a
-    shared filesystem could not load. The mode is read off a file made for it (reading the umask would set it)."""
-    probe = Path(directory) / ".mode"
-    probe.touch()
-    mode = probe.stat().st_mode & 0o777
-    probe.unlink()
-    for f in Path(directory).rglob("*"):
-        if f.is_file():
-            f.chmod(mode)
 
 
 def save_checkpoint(engine, args, step, extra=None, others=None):
@@ -834,8 +804,12 @@ def save_checkpoint(engine, args, step, extra=None, others=None):
 def load_checkpoint(engine, args, others=None):
     """With --load_checkpoint, resume from the latest checkpoint in --ckpt_path where there is one -> (the step to
     continue from, save_checkpoint's `extra` keys); else (0, {})."""
-    if not args.load_checkpoint:
-        return 0, {}
+    return resume(engine, args, others) if args.load_checkpoint else (0, {})
+
+
+def resume(engine, args, others=None):
+    """load_checkpoint's resume: model, optimizer and scheduler (DeepSpeed), `others` from the same step, this rank's
+    RNG, from the checkpoint every rank sees as the latest (none: start afresh)."""
     latest = Path(args.ckpt_path) / "latest"
     tags = [None] * dist.get_world_size()  # what each rank would resume from: all the same step, or none
     dist.all_gather_object(tags, latest.read_text().strip() if latest.exists() else None)
@@ -845,12 +819,7 @@ def load_checkpoint(engine, args, others=None):
         seen = ", ".join(f"rank {r}: {t or 'none'}" for r, t in enumerate(tags))
         fail(f"--load_checkpoint: the ranks see different checkpoints in {args.ckpt_path} ({seen}); every node needs "
              "the same step")
-    return resume(engine, args.ckpt_path, others)
-
-
-def resume(engine, ckpt_path, others=None):
-    """The latest checkpoint in ckpt_path: model, optimizer and scheduler (DeepSpeed), `others` from the same step,
-    this rank's RNG -> (its step, save_checkpoint's `extra` keys)."""
+    ckpt_path = args.ckpt_path
     load_path, client_state = engine.load_checkpoint(ckpt_path)
     if load_path is None:
         fail(f"could not load the checkpoint in {ckpt_path}")
@@ -976,26 +945,19 @@ def due(every, step, total_steps=None):
 
 def finish(engine, tokenizer, args, results, logger, extra_config=None, evaluate=None):
     """The end of every training script: the final eval (with `evaluate`: logged, and kept in results), close the
-    logs, save the model and eval_results.json, and say where."""
+    logs, save the model and beside it eval_results.json (the figures the demo table reads), and say where."""
     if evaluate is not None:
         log_eval(logger, logger.steps, evaluate(), results)
     logger.close()
     save_hf_model(engine, tokenizer, args.save_path, args, extra_config=extra_config)
-    write_results(args.save_path, results)
     if is_rank0():
+        results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        if torch.cuda.is_available():  # this process's tensors on its GPU (bench/gpu_check.py reports it)
+            results["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        (Path(args.save_path) / "eval_results.json").write_text(json.dumps(results, indent=2) + "\n")
         console.print(f"saved to {args.save_path}: {figures(results)}", markup=False)
 
 
 def figures(values):
     """{name: value} as one line, "k=v ...", floats to 4 significant digits (counts as they are)."""
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
-
-
-def write_results(path, results):
-    """eval_results.json beside the saved model: the figures the demo table reads."""
-    if is_rank0():
-        results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        if torch.cuda.is_available():  # this process's tensors on its GPU (bench/gpu_check.py reports it)
-            results["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
-        Path(path).mkdir(parents=True, exist_ok=True)
-        (Path(path) / "eval_results.json").write_text(json.dumps(results, indent=2) + "\n")

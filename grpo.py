@@ -8,26 +8,20 @@ completions per prompt, score them, and move the policy toward the better ones w
         --n_samples_per_prompt 8 --rollout_batch_size 128 --train_batch_size 256 --generate_max_len 1024 \\
         --vllm --zero_stage 3 --bf16 --actor_learning_rate 1e-6
 
-One step: take --rollout_batch_size prompts, sample --n_samples_per_prompt completions of each (HF generate,
-or vLLM with --vllm), score them, turn the scores into advantages (group statistics), then make
---max_epochs passes of clipped-surrogate updates over those samples in batches of --train_batch_size.
+One step: --n_samples_per_prompt completions of each of --rollout_batch_size prompts (HF generate, or vLLM with
+--vllm), scored, turned into advantages by group statistics (group_advantages), then --max_epochs passes of
+clipped-surrogate updates in batches of --train_batch_size. Rewards: --remote_rm_url, an http(s) /get_reward URL
+(OpenRLHF's API) or a .py file defining reward_func(queries, prompts, labels), your own code run in this process (the
+contract: reward_client); or --reward_pretrain, a sequence classifier (rm.py's output, sharing the policy's tokenizer)
+read at EOS, or a process reward model (prm.py's) whose step scores --prm_reduce reduces. With --process_rewards the
+advantages come from per-step scores (process_advantages, DeepSeekMath's process supervision): a PRM's, or
+step_rewards from the reward file or server (the contract: process_rewards.py).
 
-Rewards come from one of:
-  --remote_rm_url http://host:port/get_reward   a reward server speaking OpenRLHF's /get_reward API
-  --remote_rm_url my_reward.py   a Python file defining reward_func(queries, prompts, labels): your own code,
-                  run in this process (the contract: reward_client)
-  --reward_pretrain DIR   a sequence-classification reward model (rm.py's output) sharing the policy's
-                  tokenizer, read at the EOS token; or a process reward model (prm.py's output): the min of its
-                  step scores (--prm_reduce).
-With --process_rewards the advantages come from per-step scores instead (process_advantages, DeepSeekMath's process
-supervision): a PRM's, or step_rewards sent by the reward file or server (the contract: process_rewards.py).
-
-The implementation details, each where it happens: dropout off (common.disable_dropout), prompts left-padded
-for generation and a group's prompt prefilled once (generate_hf), the response cut at its EOS (generate_hf,
+Implementation details, each where it happens: dropout off (common.disable_dropout), prompts left-padded for
+generation and a group's prompt prefilled once (generate_hf), the response cut at its EOS (generate_hf,
 engines.vllm_sampling), rewards for completions without EOS or too long (score), groups without signal dropped
-(keep_groups_with_signal, --dynamic_filtering), log-probs at the sampling temperature (common.response_logprobs),
-advantages from group statistics (group_advantages), vLLM's sampling corrected toward the trainer's policy
-(engines.rollout_correction_weights).
+(keep_groups_with_signal), log-probs at the sampling temperature (common.response_logprobs), vLLM's sampling
+corrected toward the trainer's policy (engines.rollout_correction_weights).
 """
 
 import argparse
@@ -54,8 +48,7 @@ TOY_REWARD = str(Path(__file__).resolve().parent / "toy.py")  # its reward_func 
 
 # ------------------------------------------------------------------------------------------------ math
 def group_advantages(rewards, group_size, estimator, eps=1e-6, std_norm=True):
-    """One advantage per sample from the rewards [N] of consecutive groups of `group_size` samples
-    (the completions of one prompt):
+    """One advantage per sample from the rewards [N] of consecutive groups of `group_size` (a prompt's completions):
       group_norm          (r - group mean) / (group std + eps), unbiased std      GRPO
       dr_grpo             r - group mean                                           Dr. GRPO (no std)
       rloo                r - mean of the other samples of the group               RLOO
@@ -65,11 +58,11 @@ def group_advantages(rewards, group_size, estimator, eps=1e-6, std_norm=True):
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.reshape(-1, group_size)
-    mean = r.mean(-1, keepdim=True)
-    if estimator == "group_norm":
-        adv = (r - mean) / (r.std(-1, keepdim=True) + eps) if std_norm else r - mean  # a group of one: NaN
-    elif estimator in ("dr_grpo", "reinforce_baseline"):
-        adv = r - mean
+    centered = r - r.mean(-1, keepdim=True)
+    if estimator == "group_norm" and std_norm:
+        adv = centered / (r.std(-1, keepdim=True) + eps)  # a group of one: NaN
+    elif estimator in ("group_norm", "dr_grpo", "reinforce_baseline"):
+        adv = centered
     elif estimator == "rloo":
         adv = r - (r.sum(-1, keepdim=True) - r) / (group_size - 1)
     elif estimator == "reinforce":
@@ -80,13 +73,10 @@ def group_advantages(rewards, group_size, estimator, eps=1e-6, std_norm=True):
 
 
 def process_advantages(step_rewards, step_ends, group_size, eps=1e-6):
-    """Per-token advantages [N, T] from step scores, DeepSeekMath's process supervision (its section 4.1.3).
-    step_rewards [N, T] hold each step's score on the token that ends the step, step_ends [N, T] mark those tokens;
-    groups are `group_size` consecutive samples. Every step score is normalized by the mean and std of all the step
-    scores R of its group (all its samples' steps together), and a token's advantage is the sum of the normalized
-    scores of its sample's steps that end at or after it:
-        r~_j = (r_j - mean(R)) / (std(R) + eps),      A_t = sum_{j: end(j) >= t} r~_j
-    (std unbiased, as group_advantages'; 0 after a sample's last step, and for a group whose scores are all equal)."""
+    """Per-token advantages [N, T] from step scores (DeepSeekMath's process supervision, its 4.1.3): step_rewards [N, T]
+    hold each step's score on the token ending it (step_ends); with R all step scores of a group (`group_size` samples),
+        r~_j = (r_j - mean(R)) / (std(R) + eps) (unbiased std),      A_t = sum_{j: end(j) >= t} r~_j
+    (0 after a sample's last step, and for a group whose scores are all equal)."""
     N, T = step_rewards.shape
     if N % group_size:
         raise ValueError(f"{N} samples do not split into groups of {group_size}")
@@ -100,18 +90,16 @@ def process_advantages(step_rewards, step_ends, group_size, eps=1e-6):
 
 
 def token_advantages(advantages, kl, action_mask, kl_coef):
-    """Per-token advantages [B, T] when the KL penalty is part of the reward (gamma 1): the sequence's
-    advantage ([B], or already per token [B, T]) plus the penalty still to come, A_t = a - kl_coef * sum_{s >= t}
-    kl_s; 0 on padding."""
+    """Per-token advantages [B, T] with the KL penalty in the reward (gamma 1): the sequence's advantage ([B], or
+    per token [B, T]) minus the penalty still to come, A_t = a - kl_coef * sum_{s >= t} kl_s; 0 on padding."""
     mask = action_mask.to(kl.dtype)
     penalty_to_go = (kl * mask).flip(-1).cumsum(-1).flip(-1)
     return ((advantages if advantages.dim() == 2 else advantages[:, None]) - kl_coef * penalty_to_go) * mask
 
 
 def importance_ratio(logprobs, old_logprobs, action_mask=None, level="token"):
-    """pi / pi_old of each response token [B, T]; level "sequence" (GSPO) gives all of a sequence's tokens one
-    ratio, exp of the mean over its response tokens of logprobs - old_logprobs, the gradient flowing through
-    the mean."""
+    """pi / pi_old per response token [B, T]; level "sequence" (GSPO): one ratio per sequence, exp of the mean of
+    logprobs - old_logprobs over its response tokens (the gradient flowing through the mean)."""
     log_ratio = logprobs - old_logprobs
     if level == "sequence":
         if action_mask is None:
@@ -123,9 +111,8 @@ def importance_ratio(logprobs, old_logprobs, action_mask=None, level="token"):
 
 
 def clipped_surrogate(ratio, advantages, eps_clip_low=0.2, eps_clip_high=0.2, dual_clip=None, delta=None):
-    """PPO's clipped surrogate per token: -min(ratio * A, clip(ratio, 1 - eps_clip_low, 1 + eps_clip_high) * A),
-    capped at -dual_clip * A where A < 0 (dual clip); with delta the unclipped ratio is capped at delta (INTELLECT-2's
-    two-sided clip)."""
+    """PPO's clipped surrogate per token, -min(ratio * A, clip(ratio, 1 - eps_clip_low, 1 + eps_clip_high) * A);
+    dual_clip caps it at -dual_clip * A where A < 0; delta caps the unclipped ratio (INTELLECT-2's two-sided clip)."""
     unclipped = ratio if delta is None else ratio.clamp(max=delta)
     loss = -torch.min(unclipped * advantages, ratio.clamp(1 - eps_clip_low, 1 + eps_clip_high) * advantages)
     if dual_clip is not None:
@@ -150,13 +137,11 @@ def token_policy_loss(logprobs, old_logprobs, advantages, action_mask=None, eps_
                       dual_clip=None, *, importance_sampling_level="token", policy_loss_type="ppo", delta=None,
                       tau_pos=1.0, tau_neg=1.05, ref_logprobs=None, kl_coef=0.0, kl_ratio_weighted=False,
                       rollout_logprobs=None, rollout_correction=None, rollout_correction_bounds=(0.0, 2.0)):
-    """Policy loss per token [B, T]; advantages [B] or [B, T]; ratio = importance_ratio(...) (per token, or per
-    sequence: GSPO). policy_loss_type picks clipped_surrogate ("ppo"), cispo_loss or sapo_loss. With
-    rollout_correction, that loss times rollout_correction_weights (the engine sampled, not pi_old). With
-    ref_logprobs, plus kl_coef * k3 KL to the reference (GRPO's KL loss), times the ratio if kl_ratio_weighted (not
-    reweighted by the correction, as in TRL and OpenRLHF)."""
-    if advantages.dim() == 1:
-        advantages = advantages[:, None]
+    """Policy loss per token [B, T] (advantages [B] or [B, T]): clipped_surrogate ("ppo"), cispo_loss or sapo_loss of
+    importance_ratio (per token, or per sequence: GSPO), times rollout_correction_weights with rollout_correction;
+    plus kl_coef * k3 KL to ref_logprobs (GRPO's KL loss; times the ratio if kl_ratio_weighted; as TRL's, not
+    reweighted by the correction)."""
+    advantages = advantages[:, None] if advantages.dim() == 1 else advantages
     ratio = importance_ratio(logprobs, old_logprobs, action_mask, importance_sampling_level)
     if policy_loss_type not in POLICY_LOSSES:
         raise ValueError(f"unknown policy_loss_type {policy_loss_type!r}: use one of {', '.join(POLICY_LOSSES)}")
@@ -168,10 +153,10 @@ def token_policy_loss(logprobs, old_logprobs, advantages, action_mask=None, eps_
         loss = cispo_loss(ratio, advantages, logprobs, eps_clip_high)
     else:
         loss = sapo_loss(ratio, advantages, tau_pos, tau_neg)
-    if rollout_correction is not None:  # an engine sampled (engines.py)
+    if rollout_correction is not None:
         if rollout_logprobs is None or action_mask is None:
             raise ValueError("rollout_correction needs rollout_logprobs and action_mask")
-        import engines
+        import engines  # the correction exists only where an engine samples (engines.py)
         weights, _ = engines.rollout_correction_weights(old_logprobs, rollout_logprobs, action_mask,
                                                         rollout_correction, rollout_correction_bounds)
         loss = loss * weights
@@ -183,8 +168,7 @@ def token_policy_loss(logprobs, old_logprobs, advantages, action_mask=None, eps_
 
 def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip_low=0.2, eps_clip_high=0.2, dual_clip=None,
                 *, loss_agg_mode="token-mean", generate_max_len=None, **family):
-    """The policy loss, one number: token_policy_loss (`family`: its keywords, the loss type, ratio level,
-    correction, KL) reduced over the response tokens by aggregate_loss."""
+    """token_policy_loss (`family`: its keywords) reduced over the response tokens to one number by aggregate_loss."""
     loss = token_policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip_low, eps_clip_high, dual_clip,
                              **family)
     return aggregate_loss(loss, action_mask, loss_agg_mode, generate_max_len)
@@ -212,20 +196,16 @@ def aggregate_loss(loss, action_mask, loss_agg_mode="token-mean", generate_max_l
 
 
 def loss_family(args):
-    """policy_loss's keywords from the flags: the aggregation, the loss type and ratio level, the KL loss, the
-    rollout correction."""
-    return dict(loss_agg_mode=args.loss_agg_mode, generate_max_len=args.generate_max_len,
-                importance_sampling_level=args.importance_sampling_level, policy_loss_type=args.policy_loss_type,
-                delta=args.delta, tau_pos=args.tau_pos, tau_neg=args.tau_neg, kl_coef=args.init_kl_coef,
-                kl_ratio_weighted=args.kl_ratio_weighted, rollout_correction=args.rollout_correction,
-                rollout_correction_bounds=args.rollout_correction_bounds)
+    """policy_loss's keywords from the flags of their names (kl_coef: --init_kl_coef), all but the clipping's."""
+    keys = ("loss_agg_mode", "generate_max_len", "importance_sampling_level", "policy_loss_type", "delta", "tau_pos",
+            "tau_neg", "kl_ratio_weighted", "rollout_correction", "rollout_correction_bounds")
+    return {**{k: getattr(args, k) for k in keys}, "kl_coef": args.init_kl_coef}
 
 
 # ------------------------------------------------------------------------------------------- rollout
 def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
-    """RL prompts: records -> {"ids", "text", "label", "input"}: the prompt tokenized as generation sees it, its text,
-    the --label_key value, the --input_key value as the dataset has it; prompts longer than --prompt_max_len are
-    dropped (counted)."""
+    """RL prompts -> {"ids": the prompt's tokens as generation sees them, "text", "label": the --label_key value,
+    "input": the --input_key value as in the dataset}; prompts over --prompt_max_len are dropped (and counted)."""
     keys = [args.input_key] + ([args.label_key] if args.label_key else [])
     records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed)
     out = []
@@ -244,8 +224,7 @@ def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
 
 
 def load_prompt_sets(args, tokenizer, samples_per_prompt):
-    """The train and eval prompts (eval: [] without --eval_dataset) and the number of steps, --num_episodes passes
-    of --rollout_batch_size prompts; a step's samples must split over the processes and into --train_batch_size."""
+    """The train and eval prompts ([] without --eval_dataset) and the step count (--num_episodes passes)."""
     world, samples = dist.get_world_size(), args.rollout_batch_size * samples_per_prompt
     if args.rollout_batch_size % world or samples % args.train_batch_size:
         fail(f"--rollout_batch_size {args.rollout_batch_size} must split over {world} processes, and its "
@@ -264,19 +243,16 @@ def prompt_batches(records, batch_size, seed, cursor):
     a seeded permutation per pass over the data; `cursor` (prompts consumed by all ranks) makes it resumable."""
     rank, world = dist.get_rank(), dist.get_world_size()
     while True:
-        idx = []
-        for _ in range(batch_size):
-            epoch, k = divmod(cursor, len(records))
-            perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed + epoch))
-            idx.append(perm[k].item())
-            cursor += 1
-        yield [records[i] for i in idx[rank::world]], cursor
+        mine = [divmod(c, len(records)) for c in range(cursor, cursor + batch_size)][rank::world]  # (epoch, k)
+        cursor += batch_size
+        yield [records[torch.randperm(len(records), generator=torch.Generator().manual_seed(seed + epoch))[k].item()]
+               for epoch, k in mine], cursor
 
 
 @dataclass
 class Rollout:
     """A step's samples, the same from every engine (HF generate here; vLLM and Ray in engines.py, episodes in
-    agents.py): N samples, a group's consecutive, as padded tensors. Micro-batches are index slices into them."""
+    agents.py): N samples, a prompt's consecutive, as padded tensors. Micro-batches are index slices into them."""
     records: list  # N prompt records: "ids" (the prompt's tokens as sampled), "text", "label", "input"
     responses: torch.Tensor  # [N, R] the tokens after the prompt, through EOS, right-padded with 0
     lengths: torch.Tensor  # [N] each response's length
@@ -291,21 +267,18 @@ class Rollout:
     @classmethod
     def of(cls, records, eos_id, responses, logprobs=None, version=None, action_mask=None, stopped=None,
            agent_rewards=None):
-        """From an engine's plain tensors, one 1-D tensor per sample (responses, and log-probs and action masks where
-        given): the one place a rollout is padded. `stopped` defaults to "ends with eos_id"."""
+        """From an engine's 1-D tensors per sample (the one place a rollout is padded); `stopped` default: EOS last."""
         pad = lambda xs: pad_sequence(list(xs), batch_first=True)  # noqa: E731
         lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
         padded = pad(responses).long() if len(responses) else torch.zeros(0, 0, dtype=torch.long)
         mask = pad(action_mask).bool() if action_mask is not None else \
             torch.arange(padded.size(1))[None] < lengths[:, None]
-        if stopped is None:
-            stopped = [len(r) > 0 and r[-1].item() == eos_id for r in responses]
+        stopped = [len(r) > 0 and r[-1].item() == eos_id for r in responses] if stopped is None else stopped
         return cls(records, padded, lengths, mask, torch.tensor(stopped, dtype=torch.bool),
                    pad(logprobs).float() if logprobs is not None else None, version, agent_rewards)
 
     def pairs(self, idx=None):
-        """(prompt ids, response ids) of samples `idx` (default: all), each response cut to its own length: what the
-        reward call and the log-prob passes take, padded again to each micro-batch's own longest."""
+        """(prompt ids, response ids) of samples `idx` (default: all), each response cut to its own length."""
         idx = range(len(self.records)) if idx is None else [int(i) for i in idx]
         return [(self.records[i]["ids"], self.responses[i, :self.lengths[i]]) for i in idx]
 
@@ -314,25 +287,12 @@ class Rollout:
         """Each sample's --label_key value (None without it), as reward functions get them."""
         return [r["label"] for r in self.records]
 
-    @staticmethod
-    def cat(batches):
-        """Several rollouts as one, in order, padded to the widest (dynamic filtering's extra rounds); the version and
-        cursor are the last one's, the generation time the sum."""
-        return Rollout(**{f: joined([getattr(b, f) for b in batches]) for f in PER_SAMPLE}, version=batches[-1].version,
-                       generate_s=sum(b.generate_s for b in batches), cursor=batches[-1].cursor)
-
-    def select(self, idx):
-        """Samples `idx` only, in that order."""
-        return Rollout(**{f: taken(getattr(self, f), idx) for f in PER_SAMPLE}, version=self.version,
-                       generate_s=self.generate_s, cursor=self.cursor)
-
 
 PER_SAMPLE = ("records", "responses", "lengths", "action_mask", "stopped", "logprobs", "agent_rewards")  # Rollout's
 
 
 def joined(values):
-    """Per-sample values of several rounds as one, in order: tensors ([N], or [N, R] padded to the widest), dicts of
-    them, lists; None stays None."""
+    """Several rounds' per-sample values as one, in order: tensors ([N, R] padded to the widest), dicts, lists, None."""
     if values[0] is None:
         return None
     if isinstance(values[0], dict):
@@ -357,10 +317,8 @@ def taken(values, idx):
 
 
 def start_engine(args, model, tokenizer, version=0):
-    """What samples the rollouts: HF generate on the trainer's own model (HFEngine), or with --vllm / --ray vLLM engines
-    fed the policy's weights (engines.py; `version`: the trainer step they are from); with --agent_func_path each
-    sample is an episode on that engine (agents.py). Each has sample(records, temperature) -> plain tensors
-    (sample_rollout makes them a Rollout) and sync(model, version), called after every update."""
+    """HFEngine, or with --vllm / --ray vLLM engines fed the policy's weights from trainer step `version` (engines.py);
+    --agent_func_path: episodes on it (agents.py). Each has sample(records, temperature) and sync(model, version)."""
     if args.vllm or args.ray:
         import engines
         engine = engines.start(args, model, tokenizer, version)
@@ -376,15 +334,14 @@ def start_engine(args, model, tokenizer, version=0):
 
 
 def sample_rollout(engine, records, temperature, eos_id):
-    """One completion (or episode) of each record as a Rollout (an agent's reset() may rewrite a prompt: its
-    "records" are the ones the episodes continued)."""
+    """One completion (or episode) per record as a Rollout, of the records the episodes continued (reset() may
+    rewrite a prompt)."""
     out = engine.sample(records, temperature)
     return Rollout.of(out.pop("records", records), eos_id, **out)
 
 
 def draw(prompts, engine, n, temperature, eos_id):
-    """The next batch: `n` samples of each of this rank's next prompts (prompts: a prompt_batches stream), a
-    Rollout with the time it took and where the stream stands after it."""
+    """The next Rollout: `n` samples of each of this rank's next prompts (a prompt_batches stream), its time, cursor."""
     records, cursor = next(prompts)
     t = time.time()
     batch = sample_rollout(engine, [r for r in records for _ in range(n)], temperature, eos_id)
@@ -393,10 +350,8 @@ def draw(prompts, engine, n, temperature, eos_id):
 
 
 def batches(prompts, engine, n, args, cursor, count, eos_id):
-    """-> (next_batch, release): next_batch() is the next step's Rollout, `n` samples of each of this rank's next
-    --rollout_batch_size prompts (draw on a prompt_batches stream from `cursor`); call release() after each weight
-    sync. With --async_steps N a thread (engines.Producer) samples the next of `count` batches on the Ray engines
-    while this process trains, on weights at most N syncs old."""
+    """-> (next_batch, release): the next step's Rollout from a prompt_batches stream at `cursor`, and what to call
+    after each weight sync; with --async_steps a thread (engines.Producer) samples the next of `count` batches ahead."""
     stream = prompt_batches(prompts, args.rollout_batch_size, args.seed, cursor)
     next_batch = lambda: draw(stream, engine, n, args.temperature, eos_id)  # noqa: E731
     if not args.async_steps:
@@ -413,9 +368,8 @@ class HFEngine:
         self.model, self.args, self.tokenizer = model, args, tokenizer
 
     def sample(self, records, temperature, max_new_tokens=None):
-        """One completion per record (max_new_tokens: one per record, default --generate_max_len), as every engine
-        returns them: {"responses": 1-D token ids, each through its EOS or cut at its budget, "logprobs": None,
-        "version": None}."""
+        """One completion per record (max_new_tokens: a budget per record, default --generate_max_len), as every engine
+        returns them: {"responses": 1-D ids, through EOS or cut at the budget, "logprobs": None, "version": None}."""
         a = self.args
         responses = generate_hf(self.model, self.tokenizer, [r["ids"] for r in records], temperature, a.top_p,
                                 max_new_tokens or a.generate_max_len, a.micro_rollout_batch_size,
@@ -428,10 +382,9 @@ class HFEngine:
 
 @torch.no_grad()
 def shared_prompt_cache(model, ids, mask, synced=False):
-    """For HF generate over a left-padded chunk (ids, mask) in which prompts repeat (a group's samples): the KV
-    cache of all but the last token of each distinct row, computed once and copied to its repeats, or None
-    when nothing repeats. `synced` (ZeRO-3 over several processes): every rank takes the same branch, as it
-    must run the same forwards. A checkpoint naming its own cache class (Gemma's hybrid one) gets None."""
+    """HF generate's KV cache of a left-padded chunk (ids, mask) whose prompts repeat (--n_samples_per_prompt > 1): each
+    distinct row but its last token, computed once and copied to its repeats; None when nothing repeats or the
+    checkpoint names its own cache class (Gemma's hybrid one). `synced` (ZeRO-3): all ranks run the same forwards."""
     rows, index = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
     share = len(rows) < len(ids) and ids.size(1) > 1 and model.generation_config.cache_implementation is None
     if synced:
@@ -448,16 +401,15 @@ def shared_prompt_cache(model, ids, mask, synced=False):
 
 @torch.no_grad()
 def generate_hf(model, tokenizer, prompts, temperature, top_p=1.0, max_new_tokens=1024, chunk_size=8, synced=False):
-    """HF generate: one completion per prompt (repeat a prompt for more), in chunks of `chunk_size`, at `temperature`
-    (0: greedy) and `top_p`. A completion keeps its EOS; one that hit max_new_tokens (one for all, or a list: one per
-    prompt) has none. `synced`: ZeRO-3 over several processes, where every rank runs every forward."""
+    """One completion per prompt, in chunks of `chunk_size`, at `temperature` (0: greedy) and `top_p`, through its EOS
+    or cut at max_new_tokens (one, or a list: one per prompt). `synced`: ZeRO-3, where every rank runs every forward."""
     eos, out, m = tokenizer.eos_token_id, [], chunk_size
     budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
     for i in range(0, len(prompts), m):
         batch = tokenizer.pad({"input_ids": [torch.as_tensor(p).tolist() for p in prompts[i:i + m]]},
                               padding_side="left", return_attention_mask=True, return_tensors="pt")  # appends right
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        cache = shared_prompt_cache(model, ids, mask, synced)  # a group's prompt is prefilled once
+        cache = shared_prompt_cache(model, ids, mask, synced)  # a repeated prompt is prefilled once
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
             else dict(do_sample=False)
         with common.sampling_as_asked(model):  # nothing from the checkpoint's generation_config.json
@@ -474,9 +426,8 @@ def generate_hf(model, tokenizer, prompts, temperature, top_p=1.0, max_new_token
 
 @torch.no_grad()
 def rollout_logprobs(model, batch, pad_id, packing, temperature, chunk_size):
-    """common.response_logprobs of a whole rollout at `temperature` (no gradients), in chunks of `chunk_size`:
-    [N, R] on the CPU, 0 on padding. A group's prompt is laid out once (share_prompts), as the update's forward lays
-    it out."""
+    """common.response_logprobs of a whole rollout at `temperature` (no gradients), in chunks of `chunk_size`: [N, R]
+    on the CPU, 0 on padding; a group's prompt laid out once (share_prompts), as in the update's forward."""
     pairs, out = batch.pairs(), None
     for i in range(0, len(pairs), chunk_size):
         logprobs, _, _ = common.response_logprobs(model, pairs[i:i + chunk_size], pad_id, packing, temperature)
@@ -487,22 +438,18 @@ def rollout_logprobs(model, batch, pad_id, packing, temperature, chunk_size):
 
 # ------------------------------------------------------------------------------------------- rewards
 def reward_client(target, batch_size=64, timeout=60.0, retries=10, backoff=1.0, retry_wait=60.0):
-    """--remote_rm_url for the RL scripts -> f(queries, prompts, labels) -> {"rewards": [N], "scores": [N], "logs":
-    {name: [N]}}: float tensors of len(queries) (and a reply's "step_rewards" as sent, for process_rewards.py). The
-    target is one of:
-      http(s)://host:port/get_reward   OpenRLHF's JSON API: POST {"query": [...], "prompts": [...],
-          "labels": [...]}, reply {"rewards": [...]} (optionally "scores", "extra_logs")
-      my_reward.py   a Python file defining reward_func(queries, prompts, labels). It is YOUR code and runs
-          inside this process with your permissions. Arguments, one entry per sample, a whole rollout at once:
-            queries  list[str]  prompt + completion as the policy saw them (OpenRLHF's rule): their tokens decoded
-                                with the special tokens kept, the BOS the tokenizer put first and the EOS that
-                                ended the completion included (chat template included)
+    """--remote_rm_url -> f(queries, prompts, labels) -> {"rewards": [N], "scores": [N], "logs": {name: [N]}}, one of:
+      http(s)://host:port/get_reward   OpenRLHF's JSON API: POST {"query": [...], "prompts": [...], "labels": [...]},
+          reply {"rewards": [...]} (optionally "scores", "extra_logs", "step_rewards"); retried by remote_rewards
+      my_reward.py   a file defining reward_func(queries, prompts, labels): YOUR code, run in this process with your
+          permissions, on a whole rollout, one entry per sample:
+            queries  list[str]  prompt + completion as the policy saw them (OpenRLHF's rule): decoded with the special
+                                tokens kept (the tokenizer's BOS, the chat template, the EOS that ended the completion)
             prompts  list[str]  the prompt part of each query, decoded alike: the completion is query[len(prompt):]
-            labels   list       each sample's --label_key value from the dataset (None without --label_key)
-          It returns len(queries) floats (a list or 1-D tensor), or a dict {"rewards": floats, "scores":
-          floats (optional, used by --dynamic_filtering; default the rewards), "extra_logs": {name: floats}
-          (optional, logged as means)}. Anything else stops the run with an error saying what was wrong.
-    A reply is read by check_rewards; the server's retries: remote_rewards."""
+            labels   list       each sample's --label_key value (None without --label_key)
+          -> len(queries) floats (a list or 1-D tensor), or a dict {"rewards": floats, "scores": floats (optional, used
+          by --dynamic_filtering; default the rewards), "extra_logs": {name: floats} (optional, logged as means),
+          "step_rewards" (for process_rewards.py)}; anything else stops the run saying what is wrong (check_rewards)."""
     if str(target).startswith(("http://", "https://")):
         return lambda q, p, l: remote_rewards(target, q, p, l, batch_size, timeout, retries, backoff, retry_wait)
     reward_func, source = load_reward_func(target), f"reward_func in {target}"
@@ -510,8 +457,8 @@ def reward_client(target, batch_size=64, timeout=60.0, retries=10, backoff=1.0, 
 
 
 def user_module(path, refusal):
-    """A Python file of YOUR code (a reward_func), imported: it runs in this process, with this process's permissions,
-    exactly like a script you start with python (errors in it show its own traceback)."""
+    """A Python file of YOUR code, imported: it runs in this process with its permissions, as a script started with
+    python would (errors show its own traceback)."""
     import importlib.util
 
     path = Path(path)
@@ -532,10 +479,8 @@ def load_reward_func(path):
 
 
 def check_rewards(out, n, source):
-    """What a reward function or server returned -> {"rewards", "scores", "logs"}, or a clear error.
-    Accepted: n floats (list or 1-D tensor/array), or a dict with "rewards" (n floats; a server may send
-    only "scores"), optional "scores" (n floats, default: the rewards) and optional "extra_logs"
-    ({name: n floats or one float}). A dict's "step_rewards" are kept as sent (process_rewards.py checks them)."""
+    """A reward reply -> {"rewards", "scores", "logs"} or a clear error: n floats, or a dict of "rewards" (or only
+    "scores"), optional "scores", "extra_logs" ({name: n floats or one}) and "step_rewards" (for process_rewards.py)."""
     def floats(x, what):
         try:
             t = torch.as_tensor(x.tolist() if hasattr(x, "tolist") else x, dtype=torch.float32).flatten()
@@ -547,33 +492,29 @@ def check_rewards(out, n, source):
             fail(f"{source}: {what} holds NaN or infinity")
         return t
 
-    if isinstance(out, dict):
-        if "rewards" not in out and "scores" not in out:
-            fail(f"{source}: returned a dict without 'rewards' (keys: {', '.join(map(str, out)) or 'none'})")
-        rewards = floats(out.get("rewards", out.get("scores")), "rewards")
-        scores = floats(out["scores"], "scores") if "scores" in out else rewards
-        extra = out.get("extra_logs") or {}
-        if not isinstance(extra, dict):
-            fail(f"{source}: extra_logs must be a dict of name -> values, got {type(extra).__name__}")
-        logs = {}
-        for k, v in extra.items():
-            v = v.tolist() if hasattr(v, "tolist") else v
-            logs[str(k)] = floats([v] * n if isinstance(v, (int, float)) else v, f"extra_logs[{k!r}]")
-        steps = {"step_rewards": out["step_rewards"]} if "step_rewards" in out else {}
-        return {"rewards": rewards, "scores": scores, "logs": logs, **steps}
     if isinstance(out, (list, tuple, torch.Tensor, np.ndarray)):
-        rewards = floats(out, "rewards")
-        return {"rewards": rewards, "scores": rewards, "logs": {}}
-    fail(f"{source}: returned {type(out).__name__}; expected a list/tensor of floats or a dict with 'rewards'")
+        out = {"rewards": out}
+    if not isinstance(out, dict):
+        fail(f"{source}: returned {type(out).__name__}; expected a list/tensor of floats or a dict with 'rewards'")
+    if "rewards" not in out and "scores" not in out:
+        fail(f"{source}: returned a dict without 'rewards' (keys: {', '.join(map(str, out)) or 'none'})")
+    rewards = floats(out.get("rewards", out.get("scores")), "rewards")
+    scores = floats(out["scores"], "scores") if "scores" in out else rewards
+    extra = out.get("extra_logs") or {}
+    if not isinstance(extra, dict):
+        fail(f"{source}: extra_logs must be a dict of name -> values, got {type(extra).__name__}")
+    logs = {}
+    for k, v in extra.items():
+        v = v.tolist() if hasattr(v, "tolist") else v
+        logs[str(k)] = floats([v] * n if isinstance(v, (int, float)) else v, f"extra_logs[{k!r}]")
+    return {"rewards": rewards, "scores": scores, "logs": logs, **{k: out[k] for k in ["step_rewards"] if k in out}}
 
 
 def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, retries=10, backoff=1.0,
                    retry_wait=60.0):
-    """POST {"query", "prompts", "labels"} to `url` in batches and read the rewards back (check_rewards, then joined
-    in order). Connection errors, timeouts, 5xx and 429 are retried up to `retries` times, waiting backoff,
-    2*backoff, ... (at most 10*backoff each; the last wait cut to what is left) for at most `retry_wait` seconds in
-    all (a restarting server is back in about 20 s); after the last try (or at once on any other 4xx) it stops with an
-    error naming the URL, the cause and how long it tried: a missing reward is never passed on as None or 0."""
+    """POST {"query", "prompts", "labels"} to `url` in batches, each reply read by check_rewards. Connection errors,
+    timeouts, 5xx and 429 are retried (waits backoff, 2*backoff, ... <= 10*backoff, `retry_wait` s in all); then, or at
+    once on another 4xx, the run stops with URL, cause and time tried: a missing reward never passes as None or 0."""
     import httpx
 
     outs = []
@@ -626,26 +567,16 @@ def rm_scores(rm, pairs, tokenizer, chunk_size):
 
 
 def client_rewards(client, pairs, labels, tokenizer):
-    """A reward function or server (reward_client) gets text: prompt and completion tokens decoded together, special
-    tokens kept, and the prompt's alone (decoding a completion on its own can drop the space a sentencepiece word
-    starts with). pairs: (prompt ids, response ids); -> the client's named result."""
+    """A reward_client on (prompt ids, response ids) pairs: queries are prompt and completion decoded together, special
+    tokens kept (decoded alone, a completion can lose the space its first sentencepiece word starts with)."""
     prompts = [tokenizer.decode(p) for p, _ in pairs]
     queries = [tokenizer.decode(torch.cat([p, c])) for p, c in pairs]
     return client(queries, prompts, labels)
 
 
-def args_client(args):
-    """--remote_rm_url's reward_client (None with --reward_pretrain); made before any model loads, so a bad
-    reward file stops the run at once."""
-    return args.remote_rm_url and reward_client(args.remote_rm_url, args.remote_rm_batch_size,
-                                                args.remote_rm_timeout, args.remote_rm_retries,
-                                                retry_wait=args.remote_rm_retry_wait)
-
-
 def reward_fn(args, tokenizer, cfg, client):
-    """The training reward, f(batch: a Rollout) -> {"rewards": [N], "scores": [N], "logs": {name: [N]}} (and with
-    --process_rewards "step_rewards" [N, R], "step_ends" [N, R]): `client` on text, or --reward_pretrain's score at
-    EOS (rm_reward), or the agent's, which the episodes carry."""
+    """The training reward, f(Rollout) -> {"rewards": [N], "scores": [N], "logs": {name: [N]}} (--process_rewards: also
+    "step_rewards", "step_ends" [N, R]): the client's, --reward_pretrain's (rm_reward) or the agent's (episodes')."""
     if args.agent_func_path:
         return lambda batch: batch.agent_rewards
     on_pairs = client and (lambda pairs, labels: client_rewards(client, pairs, labels, tokenizer))
@@ -676,8 +607,7 @@ def rm_reward(args, tokenizer, cfg):
 
 
 def penalize_unfinished(rewards, stopped, penalty):
-    """--non_stop_penalty: a completion cut off at --generate_max_len (stopped False) gets this fixed reward instead
-    (None: as scored)."""
+    """--non_stop_penalty: the reward of a completion cut at --generate_max_len (stopped False); None: as scored."""
     return rewards if penalty is None else torch.where(stopped, rewards, torch.tensor(penalty, dtype=rewards.dtype))
 
 
@@ -694,8 +624,7 @@ def score(batch, reward_fn, args):
 
 @dataclass
 class Round:
-    """One round of a step's rollout: this rank's samples, their score (score's named result) and the round's
-    metrics (generate_s, wait_s, reward_s, rounds, groups_dropped, groups_topped_up)."""
+    """One round of a step's rollout: this rank's samples, their score (score's result) and the round's metrics."""
     batch: Rollout
     scored: dict
     metrics: dict
@@ -713,36 +642,33 @@ def sample_round(next_batch, reward_fn, args):
 
 def keep_groups_with_signal(first, sample, n, want, reward_range):
     """DAPO's dynamic filtering: keep the groups (n consecutive samples) whose mean score is strictly inside
-    reward_range, drawing more rounds (sample() -> a Round, as `first`) until this rank has `want` of them; after 10
-    rounds dropped groups top the share up. All ranks run the same rounds (ZeRO-3 generate). -> a Round of the kept
-    groups, its metrics the rounds' summed, with groups_dropped and groups_topped_up."""
+    reward_range, drawing rounds (sample() -> a Round) until this rank has `want`; after 10 rounds, dropped groups top
+    the share up. All ranks run the same rounds (ZeRO-3 generate). -> a Round, its metrics the rounds' sums."""
     lo, hi, rounds = *reward_range, [first]
     while True:
         group_scores = [s for r in rounds for s in r.scored["scores"].double().reshape(-1, n).mean(-1).tolist()]
         kept = [g for g, s in enumerate(group_scores) if lo < s < hi]
-        if len(rounds) == 10:
-            break
-        (short,) = common.all_reduce_sum([float(len(kept) < want)])
-        if not short:
+        if len(rounds) == 10 or not common.all_reduce_sum([float(len(kept) < want)])[0]:
             break
         rounds.append(sample())
     groups = (kept + [g for g in range(len(group_scores)) if g not in kept])[:want]
     idx = [g * n + j for g in groups for j in range(n)]
     metrics = {k: sum(r.metrics[k] for r in rounds) for k in first.metrics}
     metrics.update(groups_dropped=len(group_scores) - len(kept), groups_topped_up=max(want - len(kept), 0))
-    return Round(Rollout.cat([r.batch for r in rounds]).select(idx), taken(joined([r.scored for r in rounds]), idx),
-                 metrics)
+    last, pick = rounds[-1].batch, lambda values: taken(joined(values), idx)  # noqa: E731
+    batch = Rollout(**{f: pick([getattr(r.batch, f) for r in rounds]) for f in PER_SAMPLE}, version=last.version,
+                    generate_s=sum(r.batch.generate_s for r in rounds), cursor=last.cursor)
+    return Round(batch, pick([r.scored for r in rounds]), metrics)
 
 
 # ---------------------------------------------------------------------------------------------- eval
 def eval_metrics(reward_fn, eval_fn, tokenizer, args):
-    """evaluate's per_sample: the reward as trained on (score: the length penalties on) and its logs, and with eval_fn
-    (--eval_reward_func: a rule, e.g. the toy task's correctness) that reward as rule_reward with its extra logs (the
-    toy's accuracy)."""
+    """evaluate's per_sample: the reward as trained on (with score's length penalties) and its logs, and with eval_fn
+    (--eval_reward_func: a rule, e.g. the toy task's correctness) that reward as rule_reward with its extra logs."""
     def per_sample(batch):
         scored = score(batch, reward_fn, args)
         logs = scored["logs"]
-        if eval_fn:  # --eval_reward_func's reward and logs beside
+        if eval_fn:
             rule = client_rewards(eval_fn, batch.pairs(), batch.labels, tokenizer)
             logs = {**logs, "rule_reward": rule["rewards"], **rule["logs"]}
         return {"reward": scored["rewards"], **dict(sorted(logs.items()))}
@@ -750,10 +676,8 @@ def eval_metrics(reward_fn, eval_fn, tokenizer, args):
 
 
 def eval_samples(batch, values, tokenizer, count):
-    """The first `count` samples of a Rollout as rows for common.Logger.log_samples: the prompt and the completion as
-    the policy saw them (decoded with their special tokens, as reward functions get them: a chat template's markers,
-    the EOS that ended the completion), how it ended (EOS, or cut at --generate_max_len), and its `values`
-    ({name: [N]}: reward, accuracy, ...)."""
+    """A Rollout's first `count` samples as common.Logger.log_samples rows: prompt and completion as reward functions
+    get them (special tokens kept: a chat template's, the EOS), how it ended, and its `values` ({name: [N]})."""
     rows = []
     for i in range(min(count, len(batch.records))):
         length = int(batch.lengths[i])
@@ -766,11 +690,9 @@ def eval_samples(batch, values, tokenizer, count):
 
 @torch.no_grad()
 def evaluate(eval_records, engine, per_sample, tokenizer, log_samples=0, n=1, temperature=0.0, pass_key="reward"):
-    """n completions of each eval prompt at `temperature` (--eval_n_samples_per_prompt, --eval_temperature; default:
-    one, greedy), split over ranks (episodes with --agent_func_path); per_sample(batch) -> {name: [N]} (rewards,
-    accuracy, ...). -> {"metrics": the mean of each over all completions, and with n > 1 pass@n, the mean over prompts
-    of the best of their n `pass_key`; "samples": rank 0's first `log_samples` completions as eval_samples rows (other
-    ranks: none)}, what common.log_eval takes."""
+    """n completions of each eval prompt (split over ranks) at `temperature`, per_sample(batch) -> {name: [N]} ->
+    common.log_eval's {"metrics": each name's mean, with n > 1 also pass@n, the mean over prompts of their best
+    `pass_key`; "samples": rank 0's first `log_samples` completions as eval_samples rows}."""
     mine, real = common.rank_share(eval_records)  # fillers keep ZeRO-3 ranks in step (rank 0 has none)
     batch = sample_rollout(engine, [r for r in mine for _ in range(n)], temperature, tokenizer.eos_token_id)
     values, real = per_sample(batch), torch.tensor(real)
@@ -784,12 +706,10 @@ def evaluate(eval_records, engine, per_sample, tokenizer, log_samples=0, n=1, te
 # ---------------------------------------------------------------------------------------------- actor
 def actor_step(actor, pairs, old_logprobs, advantages, action_mask, engine_logprobs, ref_logprobs, pad_id, args,
                engine_gap=False):
-    """One policy-loss step of the actor on a micro-batch: pairs, and its rows [b, R] of the rollout's old log-probs
-    (None: on-policy, the forward's own, detached), advantages, action mask, the engine's log-probs and the
-    reference's (each None when absent) -> policy_loss, clip_frac (not SAPO's), entropy, and with engine_gap how far
-    the engine is from the trainer (engines.engine_gap's metrics)."""
-    # the entropy is logged; its graph is kept only when it is in the loss
-    logprobs, entropy, aux_loss = common.response_logprobs(
+    """One policy-loss step of the actor on a micro-batch: pairs and its rows [b, R] of the rollout's old log-probs
+    (None: on-policy, the forward's own, detached), advantages, action mask, the engine's and the reference's log-probs
+    (or None) -> policy_loss, clip_frac (not SAPO's), entropy, and with engine_gap engines.engine_gap's metrics."""
+    logprobs, entropy, aux_loss = common.response_logprobs(  # the entropy's graph only when it is in the loss
         actor, pairs, pad_id, args.packing_samples, args.temperature, with_entropy=True,
         entropy_grad=bool(args.entropy_loss_coef))  # [b, T]
     T, device = logprobs.size(1), logprobs.device
@@ -797,7 +717,6 @@ def actor_step(actor, pairs, old_logprobs, advantages, action_mask, engine_logpr
     old = logprobs.detach() if old_logprobs is None else old_logprobs[:, :T].to(device)
     engine_lp = engine_logprobs[:, :T].to(device) if engine_logprobs is not None else None
     ref_lp = ref_logprobs[:, :T].to(device) if ref_logprobs is not None else None
-    # the per-token loss of --policy_loss_type (clipped_surrogate, cispo_loss, sapo_loss), aggregated
     loss = policy_loss(logprobs, old, advantages[:, :T].to(device), mask, args.eps_clip_low, args.eps_clip_high,
                        args.dual_clip, ref_logprobs=ref_lp, rollout_logprobs=engine_lp, **loss_family(args))
     if args.entropy_loss_coef:
@@ -806,14 +725,11 @@ def actor_step(actor, pairs, old_logprobs, advantages, action_mask, engine_logpr
         loss = loss + args.aux_loss_coef * aux_loss
     actor.backward(loss)
     actor.step()
-    ratio = importance_ratio(logprobs.detach(), old, mask, args.importance_sampling_level)
-    clipped = ratio > 1 + args.eps_clip_high  # CISPO caps its weight from above only
-    if args.policy_loss_type == "ppo":
-        clipped |= ratio < 1 - args.eps_clip_low
-    stats = {"policy_loss": loss.item()}
+    stats = {"policy_loss": loss.item(), "entropy": common.masked_mean(entropy.detach(), mask).item()}
     if args.policy_loss_type != "sapo":  # SAPO's gate has no clip
-        stats["clip_frac"] = common.masked_mean(clipped.float(), mask).item()
-    stats["entropy"] = common.masked_mean(entropy.detach(), mask).item()
+        ratio = importance_ratio(logprobs.detach(), old, mask, args.importance_sampling_level)
+        low = 1 - args.eps_clip_low if args.policy_loss_type == "ppo" else 0.0  # CISPO caps its weight from above only
+        stats["clip_frac"] = common.masked_mean(((ratio > 1 + args.eps_clip_high) | (ratio < low)).float(), mask).item()
     if engine_gap:  # how far the engine is from the trainer, and what the rollout correction did about it
         import engines
         stats.update(engines.engine_gap(engine_lp, old, mask, args.rollout_correction, args.rollout_correction_bounds))
@@ -831,8 +747,7 @@ def enable_router_loss(model, coef):
 
 
 def ds_config(args):
-    """DeepSpeed's config from the flags: batch sizes and accumulation, clipping, ZeRO, bf16. A copy in each training
-    script (tests compare them)."""
+    """DeepSpeed's config from the flags (batch sizes, accumulation, clipping, ZeRO, bf16); tests compare the copies."""
     world = dist.get_world_size()
     if args.train_batch_size % (args.micro_train_batch_size * world):
         fail(f"--train_batch_size {args.train_batch_size} is not a multiple of --micro_train_batch_size "
@@ -841,24 +756,18 @@ def ds_config(args):
             "overlap_comm": args.overlap_comm}
     if args.adam_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    return {
-        "train_batch_size": args.train_batch_size,
-        "train_micro_batch_size_per_gpu": args.micro_train_batch_size,
-        "gradient_accumulation_steps": args.train_batch_size // (args.micro_train_batch_size * world),
-        "gradient_clipping": args.max_norm,
-        "zero_optimization": zero,
-        "bf16": {"enabled": args.bf16},
-        # each node's first process writes the files DeepSpeed otherwise writes on rank 0 alone (the model states
-        # of ZeRO 0-2, the client state), when --ckpt_path is a directory of each node's own
-        "checkpoint": {"use_node_local_storage": common.checkpoints_node_local(args)},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
+    return {"train_batch_size": args.train_batch_size, "train_micro_batch_size_per_gpu": args.micro_train_batch_size,
+            "gradient_accumulation_steps": args.train_batch_size // (args.micro_train_batch_size * world),
+            "gradient_clipping": args.max_norm, "zero_optimization": zero, "bf16": {"enabled": args.bf16},
+            # with --ckpt_path a directory of each node's own, each node's first process writes what DeepSpeed
+            # otherwise writes on rank 0 alone (ZeRO 0-2's model states, the client state)
+            "checkpoint": {"use_node_local_storage": common.checkpoints_node_local(args)},
+            "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
 
 def setup_deepspeed(model, args, config, num_training_steps):
-    """AdamW (torch's fused kernel, CPU or GPU: no op to compile, and one pass over the states instead of one
-    per operation) at --learning_rate + warm-up/decay schedule, wrapped by a DeepSpeed engine."""
+    """A DeepSpeed engine over AdamW at --learning_rate with warm-up/decay: torch's fused AdamW (CPU or GPU: no op to
+    compile, one pass over the states instead of one per operation)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if args.adam_offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -866,11 +775,9 @@ def setup_deepspeed(model, args, config, num_training_steps):
     else:
         optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.l2,
                                       fused=True)
-    scheduler = get_scheduler(
-        args.lr_scheduler, optimizer, num_warmup_steps=int(args.lr_warmup_ratio * num_training_steps),
-        num_training_steps=num_training_steps,
-        scheduler_specific_kwargs={"min_lr_rate": 0.1} if args.lr_scheduler == "cosine_with_min_lr" else None,
-    )
+    min_lr = {"min_lr_rate": 0.1} if args.lr_scheduler == "cosine_with_min_lr" else None
+    scheduler = get_scheduler(args.lr_scheduler, optimizer, int(args.lr_warmup_ratio * num_training_steps),
+                              num_training_steps, scheduler_specific_kwargs=min_lr)  # warm-up steps, all steps
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     if dist.get_world_size() == 1 and args.zero_stage == 0 and not args.bf16:
         engine.enable_backward_allreduce = False  # one process: nothing to average; skips flattening every gradient
@@ -882,9 +789,8 @@ def setup_deepspeed(model, args, config, num_training_steps):
 
 
 # ------------------------------------------------------------------------------------------------- flags
-# The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
-# (common.parse_args; "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_short: ~+23
-# points in 200 steps, ~80 s.
+# The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply without --dataset (common.parse_args;
+# "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_short: ~+23 points in 200 steps, ~80 s.
 DEFAULTS = {
     "save_path":                  ("runs/grpo",  "runs/grpo"),
     "dataset":                    (None,         "{toy}/prompts_train.jsonl"),
@@ -906,8 +812,7 @@ DEFAULTS = {
 
 
 def add_training_args(p: argparse.ArgumentParser):
-    """The flags every training script takes (OpenRLHF's names): model, data, optimizer, LoRA, DeepSpeed, checkpoints,
-    logging. Scripts set their own defaults; a copy in each training script (tests compare them)."""
+    """The flags every training script takes (OpenRLHF's names; defaults set per script); tests compare the copies."""
     a, ranged = p.add_argument, common.ranged
     a("--pretrain", default=None, help="model: hub name or local path (default: the toy model)")
     a("--dataset", default=None, help="hub name, directory, or .json/.jsonl/.parquet/.csv file (default: toy)")
@@ -966,8 +871,7 @@ def add_training_args(p: argparse.ArgumentParser):
 
 
 def add_rollout_args(p):
-    """The RL flags (OpenRLHF's names): sampling, vLLM / Ray engines, rewards, evaluation, --async_steps, the rollout
-    correction, process rewards and agents. A copy in each RL script with what that script takes."""
+    """The RL flags (OpenRLHF's names); each RL script's copy holds those it takes (tests compare them)."""
     a = p.add_argument
     a("--rollout_batch_size", type=ranged(int, 1), default=64, help="prompts per step (all ranks)")
     a("--micro_rollout_batch_size", type=ranged(int, 1), default=8,
@@ -996,9 +900,8 @@ def add_rollout_args(p):
     a("--remote_rm_timeout", type=ranged(float, 0, lo_open=True), default=60.0, help="seconds per HTTP request")
     a("--remote_rm_retries", type=ranged(int, 0), default=10,
       help="retries after a failed HTTP request, waiting 1 s, 2 s, 4 s, 8 s, then 10 s each")
-    a("--remote_rm_retry_wait", type=ranged(float, 0), default=60.0,
-      help="seconds of waiting between retries in all, after which a failing server stops the run (a restarting "
-           "server needs about 20 s)")
+    a("--remote_rm_retry_wait", type=ranged(float, 0), default=60.0, help="seconds of waiting between retries in all, "
+      "after which a failing server stops the run (a restarting server needs about 20 s)")
     a("--non_stop_penalty", type=ranged(float), default=None,
       help="reward of a completion without EOS (default: as scored)")
     a("--eval_steps", type=ranged(int, 1, also=[-1]), default=-1,
@@ -1030,8 +933,7 @@ def add_rollout_args(p):
 
 
 def check_one_reward(args):
-    """Exactly one source of rewards (with --process_rewards a local PRM may come with an outcome reward,
-    --remote_rm_url)."""
+    """Exactly one source of rewards (--process_rewards: a local PRM may come with an outcome one, --remote_rm_url)."""
     sources = [args.remote_rm_url, args.reward_pretrain, args.agent_func_path]
     if args.process_rewards and args.agent_func_path:
         fail("--process_rewards scores the steps of one completion; an agent's episodes are scored by the agent")
@@ -1039,15 +941,13 @@ def check_one_reward(args):
         sources = sources[1:]  # the PRM judges the steps, --remote_rm_url the outcome (process_rewards.py)
     if sum(x is not None for x in sources) != 1:
         fail("give exactly one reward: --remote_rm_url (URL or .py file), --reward_pretrain or --agent_func_path")
-    if args.process_rewards and args.reward_pretrain:
-        if not is_prm(args.reward_pretrain, args):
-            fail(f"--process_rewards: {args.reward_pretrain} is not a prm.py model (no placeholder_token_id in its "
-                 "config); a sequence classifier gives no step scores")
+    if args.process_rewards and args.reward_pretrain and not is_prm(args.reward_pretrain, args):
+        fail(f"--process_rewards: {args.reward_pretrain} is not a prm.py model (no placeholder_token_id in its "
+             "config); a sequence classifier gives no step scores")
 
 
 def check_rl_options(args):
-    """The vLLM, evaluation, agent, async and rollout-correction options that only make sense together; sets
-    args.rollout_correction (a mode, or None)."""
+    """The vLLM, eval, agent, async and rollout-correction options that go together; sets args.rollout_correction."""
     for option in ("enable_prefix_caching", "enforce_eager", "vllm_gpu_memory_utilization"):
         if getattr(args, option) not in (None, False) and not (args.vllm or args.ray):
             fail(f"--{option} is a vLLM option: add --vllm or --ray")
@@ -1102,8 +1002,7 @@ def parse_args():
       help="SAPO's gate temperature where A <= 0 (default 1.05)")
     a("--kl_ratio_weighted", action="store_true", help="--use_kl_loss: weight each token's KL by its ratio")
     a("--entropy_loss_coef", type=ranged(float, 0), default=0.0, help="entropy bonus (0: off)")
-    a("--aux_loss_coef", type=ranged(float, 0), default=0.0,
-      help="MoE router load-balancing loss weight (policy)")
+    a("--aux_loss_coef", type=ranged(float, 0), default=0.0, help="MoE router load-balancing loss weight (policy)")
     a("--actor_learning_rate", dest="learning_rate", type=ranged(float, 0), help="same as --learning_rate")
     args = common.parse_args(parser, DEFAULTS)
     if (args.reward_pretrain or args.agent_func_path) and args.remote_rm_url == TOY_REWARD:
@@ -1133,7 +1032,9 @@ def parse_args():
 
 def main():
     args = parse_args()
-    client = args_client(args)  # before any model loads: a bad reward file stops the run at once
+    client = args.remote_rm_url and reward_client(  # before any model loads: a bad reward file stops the run at once
+        args.remote_rm_url, args.remote_rm_batch_size, args.remote_rm_timeout, args.remote_rm_retries,
+        retry_wait=args.remote_rm_retry_wait)
     if args.vllm or args.ray:  # vLLM engines sample: their staleness (--async_steps) comes from engines.py
         import engines
     eval_fn = args.eval_reward_func and reward_client(args.eval_reward_func)
@@ -1151,10 +1052,8 @@ def main():
     ref = common.load_frozen(args.pretrain, args, tokenizer, cfg) if args.init_kl_coef > 0 else None
     reward = reward_fn(args, tokenizer, cfg, client)  # f(batch) -> {"rewards", "scores", "logs"}
     start_step, state = common.load_checkpoint(actor, args)
-    # HF generate on the actor; --vllm / --ray: vLLM engines fed the actor's weights (and again after every update)
     engine = start_engine(args, actor.module, tokenizer, start_step)
-    # --async_steps N: the next batches are sampled on the Ray engines while this process trains, on weights at most
-    # N updates old (the rollout correction covers that too)
+    # --async_steps N: the Ray engines sample the next batches while this process trains, on weights <= N updates old
     next_batch, release = batches(prompts, engine, n, args, state.get("prompt_cursor", 0), total_steps - start_step,
                                   tokenizer.eos_token_id)
     sample = lambda: sample_round(next_batch, reward, args)  # noqa: E731
@@ -1164,14 +1063,12 @@ def main():
         return evaluate(eval_prompts, engine, eval_metrics(reward, eval_fn, tokenizer, args), tokenizer,
                         args.log_samples, args.eval_n_samples_per_prompt, args.eval_temperature)
 
-    timed = ("generate_s", "wait_s", "train_s", *(("sync_s",) if args.vllm or args.ray else ()),
-             "step_s")  # summed per step for eval_results.json
-    logger, results = common.Logger(args, total_steps, start_step, timed), {}
+    timed = ("generate_s", "wait_s", "train_s", *(("sync_s",) if args.vllm or args.ray else ()), "step_s")
+    logger, results = common.Logger(args, total_steps, start_step, timed), {}  # timed: summed for eval_results.json
     if eval_prompts:
         common.log_eval(logger, start_step, run_eval(), results, "_before")
-    # One optimizer step per rollout and no reference model: the policy being updated is the one that sampled
-    # (a vLLM engine's numbers differ slightly: the rollout correction's business), so the old log-probs are
-    # the update's own, detached, and their separate forward pass is skipped.
+    # One optimizer step per rollout and no reference: the policy updated is the one that sampled (a vLLM engine's
+    # slight differences are the rollout correction's), so the old log-probs are the update's own, detached.
     on_policy = updates == 1 and ref is None
     for step in range(start_step, total_steps):
         step_start = time.time()
@@ -1193,8 +1090,7 @@ def main():
 
         # 2. advantages: group statistics (--process_rewards: of the step scores, per token), the KL penalty when
         #    it is a reward, batch whitening (REINFORCE++)
-        advantages = group_advantages(rewards, n, args.advantage_estimator,
-                                      std_norm=not args.no_advantage_std_norm)  # [N]
+        advantages = group_advantages(rewards, n, args.advantage_estimator, std_norm=not args.no_advantage_std_norm)
         if args.process_rewards:  # [N, R]; plus the outcome's only when a rule or server gives it beside the PRM
             outcome = args.remote_rm_url and args.reward_pretrain
             advantages = process_advantages(scored["step_rewards"], scored["step_ends"], n) + \
@@ -1207,8 +1103,7 @@ def main():
                                               std_norm=not args.no_advantage_std_norm)
 
         # 3. update: --max_epochs passes over shuffled micro-batches (index slices, each cut to its own longest
-        #    response); DeepSpeed steps the optimizer every train_batch_size samples (accumulation over micro-batches
-        #    and ranks)
+        #    response); DeepSpeed steps the optimizer every train_batch_size samples (micro-batches, ranks)
         actor.module.train()
         stats = {k: [] for k in ("policy_loss", "clip_frac", "entropy", "engine_logprob_gap", "rollout_corrected_frac")}
         for epoch in range(args.max_epochs):

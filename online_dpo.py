@@ -1,21 +1,15 @@
 """Online DPO: each step samples two completions of every prompt from the current policy, ranks them by a reward
 model or function, and takes a DPO step on (higher, lower) against a frozen reference (open-instruct's online DPO,
-TRL's OnlineDPOTrainer). The loss and the update are copies of dpo.py's, the rollout (prompts, generation, the reward
-call, evaluation) of grpo.py's, trimmed to two samples a prompt: tests compare the copies.
+TRL's OnlineDPOTrainer). The loss and update are copies of dpo.py's, the rollout of grpo.py's (tests compare them).
 
     python online_dpo.py --pretrain runs/sft_short --reward_pretrain runs/rm      # toy world, judged by an RM
     deepspeed --num_gpus 8 online_dpo.py --pretrain ckpt/sft --dataset prompts.jsonl --input_key prompt \\
         --apply_chat_template --reward_pretrain ckpt/rm --vllm --zero_stage 3 --bf16 --learning_rate 5e-7
 
-Samples come from HF generate, or vLLM with --vllm / --ray (as in grpo.py and ppo.py); scores from --reward_pretrain
-or --remote_rm_url (a /get_reward server or a reward_func file: your own code, run in this process). A tie (equal
-scores, or the same completion twice) says nothing and is dropped (counted). The reference is --ref_pretrain, by
-default the starting policy; with --lora_rank it is the policy itself with its adapters switched off.
-
-The implementation details, each where it happens: dropout off (common.disable_dropout), a prompt's two samples
-prefilled once (shared_prompt_cache), log-probs of the policy itself (temperature 1, not the sampling temperature:
-pair_logps), ties dropped (rank_pairs), a step's loss the mean over the pairs it has, every rank running the same
-forwards whatever its number of ties (micro_batches, train_on_pairs).
+Samples come from HF generate, or vLLM with --vllm / --ray; scores from --reward_pretrain or --remote_rm_url (a
+/get_reward server or a reward_func file: your own code, run in this process). A tie (equal scores, or the same
+completion twice) says nothing and is dropped (counted). The reference is --ref_pretrain, by default the starting
+policy; with --lora_rank the policy itself with its adapters off.
 """
 
 import argparse
@@ -24,7 +18,6 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -44,16 +37,13 @@ TOY_REWARD = str(Path(__file__).resolve().parent / "toy.py")  # its reward_func 
 # ------------------------------------------------------------------------------------------------ math
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=0.1, loss_type="sigmoid",
              label_smoothing=0.0):
-    """Per-sequence log-probs [B] of the chosen and rejected responses under the policy and the reference, used as
-    given (the loop feeds sums over the response tokens, and per-token means for ipo, the IPO paper's and TRL's
-    convention; OpenRLHF feeds sums). With delta = (chosen - ref_chosen) - (rejected - ref_rejected):
-      sigmoid  -log sigmoid(beta * delta)                                  DPO (Rafailov et al.)
-               with label_smoothing e > 0: -(1 - e) log sigmoid(beta * delta) - e log sigmoid(-beta * delta),
-               the conservative DPO of Mitchell (the label is wrong with probability e)
-      ipo      (delta - 1 / (2 beta))^2                                    IPO (Azar et al.)
-      hinge    relu(1 - beta * delta)                                      SLiC
-    -> (the batch mean of the loss, chosen_rewards, rejected_rewards), the implicit rewards beta * (logps -
-    ref_logps) [B], detached."""
+    """Per-sequence log-probs [B] of the chosen and rejected responses under the policy and the reference, as given
+    (the loop feeds sums over response tokens; per-token means for ipo, as the IPO paper and TRL). With delta =
+    (chosen - ref_chosen) - (rejected - ref_rejected):
+      sigmoid  -log sigmoid(beta * delta): DPO; label_smoothing e > 0 (the label wrong with probability e):
+               -(1 - e) log sigmoid(beta * delta) - e log sigmoid(-beta * delta), Mitchell's conservative DPO
+      ipo      (delta - 1 / (2 beta))^2: IPO;   hinge  relu(1 - beta * delta): SLiC
+    -> (the batch mean loss, chosen_rewards, rejected_rewards: beta * (logps - ref_logps) [B], detached)."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
     if label_smoothing and loss_type != "sigmoid":
@@ -70,20 +60,10 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
     return loss.mean(), chosen_rewards, rejected_rewards
 
 
-def pairs_loss(chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_len, args):
-    """dpo_loss of summed log-probs [B] as the loop has them: for ipo each divided by its response's token count
-    [B] first (per-token means)."""
-    if args.loss_type == "ipo":
-        chosen, ref_chosen = chosen / chosen_len, ref_chosen / chosen_len
-        rejected, ref_rejected = rejected / rejected_len, ref_rejected / rejected_len
-    return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type, args.label_smoothing)
-
-
 # ------------------------------------------------------------------------------------------- rollout
 def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
-    """RL prompts: records -> {"ids", "text", "label", "input"}: the prompt tokenized as generation sees it, its text,
-    the --label_key value, the --input_key value as the dataset has it; prompts longer than --prompt_max_len are
-    dropped (counted)."""
+    """RL prompts -> {"ids": tokenized as generation sees it, "text", "label": the --label_key value, "input": the
+    --input_key value as the dataset has it}; prompts longer than --prompt_max_len are dropped (counted)."""
     keys = [args.input_key] + ([args.label_key] if args.label_key else [])
     records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed)
     out = []
@@ -103,8 +83,7 @@ def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
 
 def load_prompt_sets(args, tokenizer):
     """The train and eval prompts (eval: [] without --eval_dataset) and the number of steps, --num_episodes passes
-    of --rollout_batch_size prompts; a step's prompts (a pair each) must split over the processes and into
-    --train_batch_size."""
+    of --rollout_batch_size prompts (a pair each), which must split over the processes and into --train_batch_size."""
     world = dist.get_world_size()
     if args.rollout_batch_size % world or args.rollout_batch_size % args.train_batch_size:
         common.fail(f"--rollout_batch_size {args.rollout_batch_size} must split over {world} processes, and its "
@@ -133,8 +112,7 @@ def prompt_batches(records, batch_size, seed, cursor):
 
 @dataclass
 class Rollout:
-    """A step's samples, the same from every engine (HF generate here; vLLM and Ray in engines.py): N samples, a
-    prompt's two consecutive, as padded tensors."""
+    """A step's N samples from any engine (HF generate here; vLLM and Ray in engines.py), a prompt's two consecutive."""
     records: list  # N prompt records: "ids" (the prompt's tokens as sampled), "text", "label", "input"
     responses: torch.Tensor  # [N, R] the tokens after the prompt, through EOS, right-padded with 0
     lengths: torch.Tensor  # [N] each response's length
@@ -142,9 +120,8 @@ class Rollout:
 
     @classmethod
     def of(cls, records, eos_id, responses, logprobs=None, version=None):
-        """From an engine's plain tensors, one 1-D tensor of token ids per sample: the one place a rollout is padded.
-        The engine's log-probs and weights' version go unused: the loss reads the policy's own (pair_logps), and
-        the engines are synced after every step."""
+        """From an engine's sample(): one 1-D tensor of token ids per sample. Its log-probs and weights' version go
+        unused: the loss reads the policy's own (pair_logps), and the engines are synced after every step."""
         lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
         padded = pad_sequence(list(responses), batch_first=True).long()
         stopped = torch.tensor([len(r) > 0 and r[-1].item() == eos_id for r in responses], dtype=torch.bool)
@@ -155,36 +132,31 @@ class Rollout:
         return [(r["ids"], self.responses[i, :self.lengths[i]]) for i, r in enumerate(self.records)]
 
     @property
-    def labels(self):
-        """Each sample's --label_key value (None without it), as reward functions get them."""
+    def labels(self):  # each sample's --label_key value (None without it), as reward functions get them
         return [r["label"] for r in self.records]
 
 
 class HFEngine:
-    """HF generate on the policy being trained: nothing to sync, no engine log-probs."""
+    """HF generate on the policy being trained: nothing to sync (main syncs only vLLM engines), no log-probs."""
 
     def __init__(self, args, model, tokenizer):
         self.model, self.args, self.tokenizer = model, args, tokenizer
 
     def sample(self, records, temperature):
-        """One completion per record, as every engine returns them: {"responses": 1-D token ids, each through its
-        EOS or cut at --generate_max_len, "logprobs": None, "version": None}."""
+        """{"responses": one 1-D tensor of token ids per record, through its EOS or cut at --generate_max_len}."""
         a = self.args
         responses = generate_hf(self.model, self.tokenizer, [r["ids"] for r in records], temperature, a.top_p,
                                 a.generate_max_len, a.micro_rollout_batch_size,
                                 synced=a.zero_stage == 3 and dist.get_world_size() > 1)
-        return {"responses": responses, "logprobs": None, "version": None}
-
-    def sync(self, model, version):
-        pass
+        return {"responses": responses}
 
 
 @torch.no_grad()
 def shared_prompt_cache(model, ids, mask, synced=False):
     """For HF generate over a left-padded chunk (ids, mask) in which prompts repeat (a prompt's two samples): the KV
-    cache of all but the last token of each distinct row, computed once and copied to its repeats, or None
-    when nothing repeats. `synced` (ZeRO-3 over several processes): every rank takes the same branch, as it
-    must run the same forwards. A checkpoint naming its own cache class (Gemma's hybrid one) gets None."""
+    cache of all but the last token of each distinct row, computed once and copied to its repeats; None when nothing
+    repeats or the checkpoint names its own cache class (Gemma's hybrid one). `synced` (ZeRO-3 over several
+    processes): every rank takes the same branch, as it must run the same forwards."""
     rows, index = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
     share = len(rows) < len(ids) and ids.size(1) > 1 and model.generation_config.cache_implementation is None
     if synced:
@@ -224,9 +196,8 @@ def generate_hf(model, tokenizer, prompts, temperature, top_p=1.0, max_new_token
 
 
 def rank_pairs(batch, scores):
-    """A Rollout of two samples per prompt (consecutive) and their scores [2N] -> (prompt, chosen, rejected) pairs,
-    chosen the higher score, with their scores [P, 2]; and the ties: prompts whose two samples scored the same or are
-    the same completion (no preference: not trained on)."""
+    """A Rollout of two samples per prompt and their scores [2N] -> (prompt, chosen, rejected) pairs, chosen the
+    higher, their scores [P, 2], and the ties (the same score or completion: no preference, not trained on)."""
     pairs, pair_scores, ties = [], [], []
     samples = batch.pairs()  # (prompt, response)
     for i in range(0, len(samples), 2):
@@ -244,19 +215,13 @@ def rank_pairs(batch, scores):
 def reward_client(target, batch_size=64, timeout=60.0, retries=10, backoff=1.0, retry_wait=60.0):
     """--remote_rm_url -> f(queries, prompts, labels) -> {"rewards": [N], "scores": [N], "logs": {name: [N]}}: a
     /get_reward URL (OpenRLHF's JSON API; retries: remote_rewards) or a .py file defining reward_func(queries, prompts,
-    labels), YOUR code, run in this process. The contract a reward_func follows: grpo.reward_client's docstring."""
-    if str(target).startswith(("http://", "https://")):
-        return lambda q, p, l: remote_rewards(target, q, p, l, batch_size, timeout, retries, backoff, retry_wait)
-    reward_func, source = load_reward_func(target), f"reward_func in {target}"
-    return lambda q, p, l: check_rewards(reward_func(q, p, l), len(q), source)
-
-
-def load_reward_func(path):
-    """`reward_func` from a Python file of YOUR code, imported: it runs in this process, with this process's
-    permissions, exactly like a script you start with python (errors in it show its own traceback)."""
+    labels): YOUR code, imported, so it runs in this process with its permissions, like a script you start with python
+    (errors in it show their own traceback). The contract a reward_func follows: grpo.reward_client's docstring."""
     import importlib.util
 
-    path = Path(path)
+    if str(target).startswith(("http://", "https://")):
+        return lambda q, p, l: remote_rewards(target, q, p, l, batch_size, timeout, retries, backoff, retry_wait)
+    path = Path(target)
     if path.suffix != ".py" or not path.is_file():
         common.fail(f"--remote_rm_url {path}: neither an http(s) URL nor an existing .py file")
     spec = importlib.util.spec_from_file_location(f"user_{path.stem}", path)
@@ -264,14 +229,14 @@ def load_reward_func(path):
     spec.loader.exec_module(module)
     if not callable(getattr(module, "reward_func", None)):
         common.fail(f"{path} defines no function reward_func(queries, prompts, labels)")
-    return module.reward_func
+    reward_func, source = module.reward_func, f"reward_func in {target}"
+    return lambda q, p, l: check_rewards(reward_func(q, p, l), len(q), source)
 
 
 def check_rewards(out, n, source):
-    """What a reward function or server returned -> {"rewards", "scores", "logs"}, or a clear error.
-    Accepted: n floats (list or 1-D tensor/array), or a dict with "rewards" (n floats; a server may send
-    only "scores"), optional "scores" (n floats, default: the rewards) and optional "extra_logs"
-    ({name: n floats or one float})."""
+    """What a reward function or server returned -> {"rewards", "scores", "logs"}, or a clear error. Accepted: n
+    floats (list or 1-D tensor/array), or a dict with "rewards" (n floats; a server may send only "scores"), optional
+    "scores" (n floats, default: the rewards) and optional "extra_logs" ({name: n floats or one float})."""
     def floats(x, what):
         try:
             t = torch.as_tensor(x.tolist() if hasattr(x, "tolist") else x, dtype=torch.float32).flatten()
@@ -304,11 +269,10 @@ def check_rewards(out, n, source):
 
 def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, retries=10, backoff=1.0,
                    retry_wait=60.0):
-    """POST {"query", "prompts", "labels"} to `url` in batches and read the rewards back (check_rewards, then joined
-    in order). Connection errors, timeouts, 5xx and 429 are retried up to `retries` times, waiting backoff,
-    2*backoff, ... (at most 10*backoff each; the last wait cut to what is left) for at most `retry_wait` seconds in
-    all (a restarting server is back in about 20 s); after the last try (or at once on any other 4xx) it stops with an
-    error naming the URL, the cause and how long it tried: a missing reward is never passed on as None or 0."""
+    """POST {"query", "prompts", "labels"} to `url` in batches; the replies checked (check_rewards), joined in order.
+    Connection errors, timeouts, 5xx and 429 are retried up to `retries` times, waiting backoff, 2*backoff, ... (at
+    most 10*backoff each, the last cut to what is left; a restarting server is back in about 20 s), `retry_wait` s in
+    all; then, or at once on another 4xx, an error naming URL, cause and time tried (no reward passed on as 0/None)."""
     import httpx
 
     outs = []
@@ -357,9 +321,8 @@ def rm_scores(rm, pairs, tokenizer, chunk_size):
 
 
 def client_rewards(client, pairs, labels, tokenizer):
-    """A reward function or server (reward_client) gets text: prompt and completion tokens decoded together, special
-    tokens kept, and the prompt's alone (decoding a completion on its own can drop the space a sentencepiece word
-    starts with). pairs: (prompt ids, response ids); -> the client's named result."""
+    """reward_client's call on (prompt ids, response ids) pairs: prompt and completion decoded together, special tokens
+    kept, and the prompt alone (a completion decoded on its own can lose the space a sentencepiece word starts with)."""
     prompts = [tokenizer.decode(p) for p, _ in pairs]
     queries = [tokenizer.decode(torch.cat([p, c])) for p, c in pairs]
     return client(queries, prompts, labels)
@@ -367,10 +330,12 @@ def client_rewards(client, pairs, labels, tokenizer):
 
 def reward_fn(args, tokenizer, cfg, client):
     """The reward that ranks a prompt's two samples, f(batch: a Rollout) -> {"rewards": [N], "scores": [N], "logs":
-    {name: [N]}}: `client` (--remote_rm_url) on text, or --reward_pretrain's score at EOS (a prm.py model: its step
-    scores reduced by --prm_reduce, process_rewards.py)."""
-    if args.reward_pretrain and is_prm(args.reward_pretrain, args):
-        import process_rewards  # a process reward model's step scores
+    {name: [N]}}: `client` (--remote_rm_url) on text, or --reward_pretrain's score at EOS, or a prm.py model's step
+    scores reduced by --prm_reduce (process_rewards.py; prm.py writes its placeholder into the config)."""
+    config = args.reward_pretrain and AutoConfig.from_pretrained(args.reward_pretrain,
+                                                                 trust_remote_code=args.trust_remote_code)
+    if getattr(config, "placeholder_token_id", None) is not None:
+        import process_rewards
         steps = process_rewards.reward_fn(args, tokenizer, cfg, None)
         return lambda batch: steps(batch.pairs(), batch.labels)
     if client:
@@ -384,37 +349,11 @@ def reward_fn(args, tokenizer, cfg, client):
     return rm_reward
 
 
-def is_prm(path, args):
-    """Whether a reward model is a process reward model (prm.py writes its placeholder into the config)."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-    return getattr(config, "placeholder_token_id", None) is not None
-
-
-def penalize_unfinished(rewards, stopped, penalty):
-    """--non_stop_penalty: a completion cut off at --generate_max_len (stopped False) gets this fixed reward instead
-    (None: as scored)."""
-    return rewards if penalty is None else torch.where(stopped, rewards, torch.tensor(penalty, dtype=rewards.dtype))
-
-
 # ---------------------------------------------------------------------------------------------- eval
-def eval_rewards(reward_fn, eval_fn, tokenizer):
-    """evaluate's per_sample: the reward's mean and extra logs, and with eval_fn (--eval_reward_func: a rule, e.g. the
-    toy task's correctness) that reward as rule_reward with its extra logs (the toy's accuracy)."""
-    def per_sample(batch):
-        out = reward_fn(batch)
-        metrics = {"reward": out["rewards"], **out["logs"]}
-        if eval_fn:
-            rule = client_rewards(eval_fn, batch.pairs(), batch.labels, tokenizer)
-            metrics.update(rule_reward=rule["rewards"], **rule["logs"])
-        return metrics
-    return per_sample
-
-
 def eval_samples(batch, values, tokenizer, count):
-    """The first `count` samples of a Rollout as rows for common.Logger.log_samples: the prompt and the completion as
-    the policy saw them (decoded with their special tokens, as reward functions get them: a chat template's markers,
-    the EOS that ended the completion), how it ended (EOS, or cut at --generate_max_len), and its `values`
-    ({name: [N]}: reward, accuracy, ...)."""
+    """The first `count` samples of a Rollout as common.Logger.log_samples rows: prompt and completion decoded with
+    their special tokens, as reward functions get them (a chat template's markers, the EOS that ended it), how it
+    ended (EOS, or cut at --generate_max_len), and its `values` ({name: [N]}: reward, accuracy, ...)."""
     rows = []
     for i in range(min(count, len(batch.records))):
         length = int(batch.lengths[i])
@@ -426,39 +365,35 @@ def eval_samples(batch, values, tokenizer, count):
 
 
 @torch.no_grad()
-def evaluate(eval_records, engine, per_sample, tokenizer, log_samples=0):
-    """A greedy completion of each eval prompt, split over ranks; per_sample(batch) -> {name: [N]} (rewards,
-    accuracy, ...). -> {"metrics": the mean of each over all completions; "samples": rank 0's first `log_samples`
+def evaluate(eval_records, engine, reward, eval_fn, tokenizer, log_samples=0):
+    """A greedy completion of each eval prompt, split over ranks, scored by the reward (with its extra logs) and by
+    eval_fn (--eval_reward_func: a rule, e.g. the toy task's correctness) as rule_reward with its extra logs (the
+    toy's accuracy). -> {"metrics": each one's mean over all completions; "samples": rank 0's first `log_samples`
     completions as eval_samples rows (other ranks: none)}, what common.log_eval takes."""
     mine, real = common.rank_share(eval_records)  # fillers keep ZeRO-3 ranks in step (rank 0 has none)
     batch = Rollout.of(mine, tokenizer.eos_token_id, **engine.sample(mine, 0.0))
-    values, real = per_sample(batch), torch.tensor(real)
+    out = reward(batch)
+    values, real = {"reward": out["rewards"], **out["logs"]}, torch.tensor(real)
+    if eval_fn:
+        rule = client_rewards(eval_fn, batch.pairs(), batch.labels, tokenizer)
+        values.update(rule_reward=rule["rewards"], **rule["logs"])
     samples = eval_samples(batch, values, tokenizer, log_samples) if dist.get_rank() == 0 else []
     return {"metrics": common.all_reduce_means({k: v[real] for k, v in values.items()}), "samples": samples}
 
 
-# ---------------------------------------------------------------------------------------- log-probs
-class PairLogps(NamedTuple):
-    chosen: torch.Tensor  # [B] log pi(chosen | prompt), summed over its tokens
-    rejected: torch.Tensor  # [B] the same of the rejected
-    chosen_len: torch.Tensor  # [B] token counts
-    rejected_len: torch.Tensor
-    aux_loss: torch.Tensor  # the forward's MoE router loss (None unless --aux_loss_coef)
-
-
+# ------------------------------------------------------------------------------------------- the update
 def pair_logps(model, pairs, pad_id, packing):
-    """(prompt, chosen, rejected) triples -> PairLogps: log pi(response | prompt) summed over the response tokens, at
-    temperature 1 (the policy itself, whatever temperature sampled it), of the chosen and the rejected, both in one
-    forward (packed, a pair shares one copy of its prompt), in fp32 at least and with the graph when gradients are
-    on; their token counts; the forward's router loss."""
+    """(prompt, chosen, rejected) triples -> (chosen, rejected: log pi(response | prompt) summed over its tokens [B],
+    chosen_len, rejected_len: token counts [B], the forward's MoE router loss or None): at temperature 1 (the policy
+    itself, whatever temperature sampled it), both in one forward (packed, a pair shares one copy of its prompt), in
+    fp32 at least, with the graph when gradients are on."""
     n = len(pairs)
     logps, _, aux_loss = common.response_logprobs(model, [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs],
                                                   pad_id, packing, per_token=False)
     lengths = torch.tensor([len(c) for _, c, _ in pairs] + [len(r) for _, _, r in pairs], device=logps.device)
-    return PairLogps(logps[:n], logps[n:], lengths[:n], lengths[n:], aux_loss)
+    return logps[:n], logps[n:], lengths[:n], lengths[n:], aux_loss
 
 
-# ------------------------------------------------------------------------------------------- the update
 @contextlib.contextmanager
 def adapters_off(model):
     """--lora_rank: inside the block the model is its base, the adapters switched off: the reference, no copy."""
@@ -469,13 +404,6 @@ def adapters_off(model):
         model.enable_adapters()
 
 
-def micro_batches(n, updates, gas):
-    """Indices 0..n-1 in `updates` optimizer steps of `gas` near-equal micro-batches each, some possibly empty: every
-    rank runs the same number of forwards (ZeRO-3 runs each on all ranks together) whatever number of pairs it has
-    (rank_pairs drops ties)."""
-    return [[c.tolist() for c in piece.tensor_split(gas)] for piece in torch.arange(n).tensor_split(updates)]
-
-
 @torch.no_grad()
 def reference_logps(reference, pairs, layout, filler, pad_id, packing):
     """pair_logps of the reference for every pair, in the update's micro-batches (`layout`; an empty one runs the
@@ -483,19 +411,18 @@ def reference_logps(reference, pairs, layout, filler, pad_id, packing):
     ref_logps = torch.zeros(len(pairs), 2, dtype=torch.float64)
     with reference() as ref_model:  # one pass: an offloaded reference moves once, adapters switch off once
         for mb in (mb for update in layout for mb in update):
-            lp = pair_logps(ref_model, [pairs[i] for i in mb] or [filler], pad_id, packing)
+            chosen, rejected, *_ = pair_logps(ref_model, [pairs[i] for i in mb] or [filler], pad_id, packing)
             if mb:
-                ref_logps[mb] = torch.stack([lp.chosen, lp.rejected], -1).double().cpu()
+                ref_logps[mb] = torch.stack([chosen, rejected], -1).double().cpu()
     return ref_logps
 
 
 def train_on_pairs(actor, pairs, ref_logps, layout, counts, filler, pad_id, args, epochs, pair_scores):
     """`epochs` passes over the pairs (shuffled after the first), each len(layout) optimizer steps of micro-batches
-    (layout: micro_batches'; counts: each optimizer step's pairs on all ranks). A micro-batch's mean loss counts by
-    its share of its optimizer step's pairs, so each step's gradient is that of the mean over the pairs it has on
-    all ranks (DeepSpeed averages micro-batches and ranks). -> per-pair stats from the first pass (before any of its
-    optimizer steps when there is one), with open-instruct's objective/kl and objective/rlhf_reward per sampled
-    response (pair_scores: the pairs' scores [P, 2])."""
+    (counts: each optimizer step's pairs on all ranks). A micro-batch's mean loss counts by its share of its step's
+    pairs, so each step's gradient is that of the mean over its pairs on all ranks (DeepSpeed averages micro-batches
+    and ranks). -> per-pair stats of the first pass, each of the policy before its optimizer step, with
+    open-instruct's objective/kl and objective/rlhf_reward per sampled response (pair_scores [P, 2])."""
     gas, world = len(layout[0]), dist.get_world_size()
     stats = {k: [] for k in ("objective/loss", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected",
                              "rewards/margin", "rewards/accuracy", *(["nll_loss"] if args.nll_loss_coef else []),
@@ -510,8 +437,11 @@ def train_on_pairs(actor, pairs, ref_logps, layout, counts, filler, pad_id, args
                 chosen, rejected, chosen_len, rejected_len, aux_loss = pair_logps(
                     actor, [pairs[i] for i in idx] or [filler], pad_id, args.packing_samples)  # [b] each
                 ref_chosen, ref_rejected = (ref_logps[idx] if idx else torch.zeros(1, 2)).to(chosen).unbind(-1)
-                loss, chosen_rewards, rejected_rewards = pairs_loss(chosen, rejected, ref_chosen, ref_rejected,
-                                                                    chosen_len, rejected_len, args)
+                logps = (chosen, rejected, ref_chosen, ref_rejected)
+                if args.loss_type == "ipo":  # per-token means: each sum divided by its response's token count
+                    logps = [x / n for x, n in zip(logps, (chosen_len, rejected_len) * 2)]
+                loss, chosen_rewards, rejected_rewards = dpo_loss(*logps, args.beta, args.loss_type,
+                                                                  args.label_smoothing)
                 nll = (-chosen / chosen_len).mean()  # the chosen responses' per-token NLL, a mean over pairs
                 total = loss + args.nll_loss_coef * nll if args.nll_loss_coef else loss
                 total = total * (len(idx) * gas * world / count)  # 0 for a filler
@@ -601,8 +531,7 @@ def setup_deepspeed(model, args, config, num_training_steps):
 
 # --------------------------------------------------------------------------------------------- flags
 def add_training_args(p: argparse.ArgumentParser):
-    """The flags every training script takes (OpenRLHF's names): model, data, optimizer, LoRA, DeepSpeed, checkpoints,
-    logging. Scripts set their own defaults; a copy in each training script (tests compare them)."""
+    """The flags every training script takes, OpenRLHF's names (a copy in each; scripts set their own defaults)."""
     a, ranged = p.add_argument, common.ranged
     a("--pretrain", default=None, help="model: hub name or local path (default: the toy model)")
     a("--dataset", default=None, help="hub name, directory, or .json/.jsonl/.parquet/.csv file (default: toy)")
@@ -661,8 +590,7 @@ def add_training_args(p: argparse.ArgumentParser):
 
 
 def add_rollout_args(p):
-    """The rollout's flags (OpenRLHF's names; grpo.py and ppo.py have these and their policy gradient's): sampling,
-    vLLM / Ray engines, the reward, evaluation. Scripts set their own defaults."""
+    """The rollout's flags, OpenRLHF's names: those of grpo.py's copy that online DPO takes."""
     a, ranged = p.add_argument, common.ranged
     a("--rollout_batch_size", type=ranged(int, 1), default=64, help="prompts per step (all ranks)")
     a("--micro_rollout_batch_size", type=ranged(int, 1), default=8,
@@ -786,11 +714,12 @@ def main():
     _, world = common.init_distributed(args)
     start = time.time()
     tokenizer = common.load_tokenizer(args.pretrain, args)
-    pad_id = tokenizer.pad_token_id
+    pad_id, vllm = tokenizer.pad_token_id, args.vllm or args.ray
     # a step: --rollout_batch_size prompts sampled and scored, then --max_epochs passes of `updates` optimizer steps
     prompts, eval_prompts, total_steps = load_prompt_sets(args, tokenizer)
     updates = args.rollout_batch_size // args.train_batch_size
     cfg = ds_config(args)
+    gas = cfg["gradient_accumulation_steps"]
     model = common.load_model(args.pretrain, args, tokenizer, cfg)
     enable_router_loss(model, args.aux_loss_coef)
     common.disable_dropout(model)  # the policy and the reference compared as the same function
@@ -798,38 +727,40 @@ def main():
     reference = load_reference(actor, args, tokenizer, cfg)
     start_step, state = common.load_checkpoint(actor, args)
     reward = reward_fn(args, tokenizer, cfg, client)  # f(batch) -> named result
-    if args.vllm or args.ray:  # vLLM engines fed the policy's weights, and again after every step (engines.py)
+    if vllm:  # vLLM engines fed the policy's weights, and again after every step (engines.py)
         import engines
         engine = engines.start(args, actor.module, tokenizer, start_step)
     else:  # HF generate on the policy itself
         engine = HFEngine(args, actor.module, tokenizer)
     stream = prompt_batches(prompts, args.rollout_batch_size, args.seed, state.get("prompt_cursor", 0))
 
-    def run_eval():  # a greedy completion of each eval prompt: the reward's mean, --eval_reward_func's (toy: accuracy)
+    def run_eval():
         actor.module.eval()
-        return evaluate(eval_prompts, engine, eval_rewards(reward, eval_fn, tokenizer), tokenizer, args.log_samples)
+        return evaluate(eval_prompts, engine, reward, eval_fn, tokenizer, args.log_samples)
 
-    timed = ("generate_s", "reward_s", "ref_s", "train_s", *(("sync_s",) if args.vllm or args.ray else ()),
-             "step_s")  # summed for eval_results.json
+    timed = ("generate_s", "reward_s", "ref_s", "train_s", *(("sync_s",) if vllm else ()), "step_s")  # run totals
     logger, results = common.Logger(args, total_steps, start_step, timed), {}
     if eval_prompts:
         common.log_eval(logger, start_step, run_eval(), results, "_before")
     for step in range(start_step, total_steps):
         step_start = time.time()
-        # 1. rollout: two samples of each of this rank's prompts from the current policy, scored; chosen = the higher,
-        #    ties dropped
+        # 1. rollout: two samples of each of this rank's prompts (consecutive) from the current policy, scored;
+        #    chosen = the higher, ties dropped
         actor.module.eval()
         records, cursor = next(stream)
-        samples, t = [r for r in records for _ in range(2)], time.time()  # a prompt's two samples consecutive
+        samples, t = [r for r in records for _ in range(2)], time.time()
         batch = Rollout.of(samples, tokenizer.eos_token_id, **engine.sample(samples, args.temperature))
         metrics, t = {"generate_s": time.time() - t}, time.time()
         scored = reward(batch)
-        scores = penalize_unfinished(scored["rewards"], batch.stopped, args.non_stop_penalty)  # [2N]
+        scores = scored["rewards"]  # [2N]; --non_stop_penalty replaces that of a completion cut at --generate_max_len
+        if args.non_stop_penalty is not None:
+            scores = torch.where(batch.stopped, scores, torch.tensor(args.non_stop_penalty, dtype=scores.dtype))
         pairs, pair_scores, ties = rank_pairs(batch, scores)
         metrics["reward_s"] = time.time() - t
         filler = (pairs + ties)[0]  # what an empty micro-batch runs, with weight 0 (ZeRO-3 runs every forward)
-        layout = micro_batches(len(pairs), updates, cfg["gradient_accumulation_steps"])  # [updates][gas] indices
-        # the pairs each optimizer step has on all ranks: its loss is their mean
+        # [updates][gas] near-equal micro-batches of pair indices, some maybe empty: every rank runs the same forwards
+        # whatever its number of ties; counts: each optimizer step's pairs on all ranks (its loss is their mean)
+        layout = [[c.tolist() for c in u.tensor_split(gas)] for u in torch.arange(len(pairs)).tensor_split(updates)]
         counts = common.all_reduce_sum([float(sum(map(len, update))) for update in layout])
 
         # 2. reference log-probs (no gradients), in the update's micro-batches
@@ -843,10 +774,10 @@ def main():
                                pair_scores)
         metrics["train_s"] = time.time() - t
 
-        # 4. weight sync: the rollout engines sample with the updated policy from the next step on
-        t = time.time()
-        engine.sync(actor.module, version=step + 1)
-        if args.vllm or args.ray:  # (HF generate samples from the trained weights themselves: nothing to time)
+        # 4. weight sync: vLLM engines sample with the updated policy from the next step on (HF generate: the policy)
+        if vllm:
+            t = time.time()
+            engine.sync(actor.module, version=step + 1)
             metrics["sync_s"] = time.time() - t
 
         # 5. log (means over all ranks; open-instruct's names), save, eval

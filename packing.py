@@ -15,6 +15,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 
+def packed_inputs(model, batch, share_prompts, device):
+    """common.response_inputs with --packing_samples: one packed row (pack_groups). Shared prompts need packed_sdpa;
+    flash-attn's varlen kernel knows whole sequences only."""
+    attention = getattr(model, "module", model).config._attn_implementation
+    ids, pos, cols = pack_groups(batch, share_prompts=share_prompts and attention == "packed_sdpa")
+    inputs = dict(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False)
+    return inputs, (torch.zeros(len(cols), dtype=torch.long, device=device), cols.to(device))
+
+
 def pack_groups(batch, share_prompts):
     """(prompt, response) pairs -> one packed row (ids, position_ids) and the row positions whose outputs
     predict the response tokens, all pairs in order. With share_prompts, pairs with the same prompt (a group)
@@ -196,6 +205,7 @@ def packed_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, a
 
 
 def register_packed_sdpa():
-    """Make attn_implementation="packed_sdpa" loadable (load_model does it for --packing_samples)."""
+    """Make attn_implementation="packed_sdpa" loadable (load_model does it for --packing_samples) -> its name."""
     transformers.AttentionInterface.register("packed_sdpa", packed_sdpa)
     AttentionMaskInterface.register("packed_sdpa", packed_sdpa_mask)
+    return "packed_sdpa"

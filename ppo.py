@@ -8,23 +8,20 @@ actor and critic with clipped losses.
         --input_key prompt --apply_chat_template --zero_stage 3 --bf16 --vllm --normalize_reward \\
         --actor_learning_rate 5e-7 --critic_learning_rate 9e-6 --init_kl_coef 0.01 --generate_max_len 1024
 
-Plain `deepspeed`/`torchrun`/`python`: every process holds actor, critic, reference and reward model
-(colocated) and generates its own share of the rollout, with HF generate or an in-process vLLM engine
-(--vllm). With --ray, generation moves to --vllm_num_engines vLLM engines running as Ray actors (other
-GPUs or nodes); trainer rank 0 broadcasts the new weights to them after every update. Rewards:
---reward_pretrain (a sequence-classification RM, e.g. rm.py's output, read at EOS) or --remote_rm_url (an
-http(s) /get_reward URL or a reward_func.py file: your own code; the contract is reward_client's).
---eval_reward_func scores the eval completions with a second, rule-based function (the toy task's
-correctness) beside the training reward. With --process_rewards each reasoning step's score (a prm.py model's, or
-step_rewards from the reward file or server; process_rewards.py) is a reward on the token that ends the step, as in
-Math-Shepherd's step-by-step PPO.
+Every process holds actor, critic, reference and reward model (colocated) and generates its share of the rollout
+(HF generate, or an in-process vLLM engine with --vllm); with --ray, --vllm_num_engines vLLM engines (Ray actors on
+other GPUs or nodes) generate, and trainer rank 0 broadcasts the new weights to them after every update. Rewards:
+--reward_pretrain (a sequence classifier such as rm.py's, read at EOS) or --remote_rm_url (an http(s) /get_reward URL
+or a reward_func .py file: your own code; the contract: reward_client); --eval_reward_func scores eval completions
+with a rule beside it (the toy task's correctness). With --process_rewards each reasoning step's score (a prm.py
+model's, or step_rewards from the reward file or server; process_rewards.py) is a reward on the token that ends the
+step (Math-Shepherd's step-by-step PPO).
 
-The implementation details of open-instruct / "The N+ Implementation Details of RLHF", each where it
-happens: dropout off (common.disable_dropout), prompts left-padded for generation (generate_hf), the
-response ends at its EOS (generate_hf, engines.vllm_sampling), a fixed reward for completions without
-EOS (score, --non_stop_penalty), the critic's value head initialised small when it starts from a causal LM
-(init_value_head), the reward read at EOS and the KL penalty on every response token (kl_penalized_rewards),
-advantages whitened.
+Implementation details (open-instruct, "The N+ Implementation Details of RLHF"), each where it happens: dropout off
+(common.disable_dropout), prompts left-padded for generation (generate_hf), the response cut at its EOS (generate_hf,
+engines.vllm_sampling), a fixed reward for completions without EOS (score, --non_stop_penalty), the value head
+initialised small from a causal LM (init_value_head), the reward at EOS and the KL penalty on every response token
+(kl_penalized_rewards), advantages whitened.
 """
 
 import argparse
@@ -59,15 +56,13 @@ def kl_penalized_rewards(scores, kl, action_mask, kl_coef):
 def compute_gae(rewards, values, action_mask, gamma, lam, skip=None):
     """Generalised advantage estimation over the response tokens, right to left:
         delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1}
-    with V and A beyond a sequence's last token = 0; returns = A + V; 0 on padding. A position outside the
-    mask ends a sequence, so a packed row (responses separated by masked prompt tokens) works too; except where
-    `skip` [B, T] is set (an agent's environment tokens inside an episode): those are stepped over, so t + 1 above
-    is the next action token, as if the feedback were not there (neither ending the episode nor decayed over)."""
+    with V and A 0 past a sequence's end; returns = A + V; 0 on padding. A position outside the mask ends a sequence
+    (so a packed row works too), except where `skip` [B, T] is set (an agent's environment tokens in an episode): those
+    are stepped over, t + 1 being the next action token, as if the feedback were not there."""
     mask = action_mask.to(values.dtype)
     skip = torch.zeros_like(action_mask, dtype=torch.bool) if skip is None else skip.bool()
     advantages = torch.zeros_like(values)
-    next_value = torch.zeros_like(values[:, 0])
-    next_advantage = torch.zeros_like(values[:, 0])
+    next_value = next_advantage = torch.zeros_like(values[:, 0])
     for t in reversed(range(values.size(1))):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         advantages[:, t] = (delta + gamma * lam * next_advantage) * mask[:, t]
@@ -78,9 +73,9 @@ def compute_gae(rewards, values, action_mask, gamma, lam, skip=None):
 
 def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip=0.2, dual_clip=None, *,
                 rollout_logprobs=None, rollout_correction=None, rollout_correction_bounds=(0.0, 2.0)):
-    """Clipped surrogate, mean over response tokens: -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A),
-    ratio = exp(logprobs - old_logprobs), capped at -dual_clip * A where A < 0 (dual clip); with
-    rollout_correction each token's loss times rollout_correction_weights (the engine sampled, not pi_old)."""
+    """Clipped surrogate, mean over response tokens: -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A), ratio =
+    exp(logprobs - old_logprobs), capped at -dual_clip * A where A < 0; with rollout_correction each token's loss
+    times rollout_correction_weights (the engine sampled, not pi_old)."""
     ratio = torch.exp(logprobs - old_logprobs)
     loss = -torch.min(ratio * advantages, ratio.clamp(1 - eps_clip, 1 + eps_clip) * advantages)
     if dual_clip is not None:
@@ -113,9 +108,8 @@ def adaptive_kl_coef(kl_coef, kl, target, horizon, n_samples):
 
 # ------------------------------------------------------------------------------------------- rollout
 def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
-    """RL prompts: records -> {"ids", "text", "label", "input"}: the prompt tokenized as generation sees it, its text,
-    the --label_key value, the --input_key value as the dataset has it; prompts longer than --prompt_max_len are
-    dropped (counted)."""
+    """RL prompts -> {"ids": the prompt's tokens as generation sees them, "text", "label": the --label_key value,
+    "input": the --input_key value as in the dataset}; prompts over --prompt_max_len are dropped (and counted)."""
     keys = [args.input_key] + ([args.label_key] if args.label_key else [])
     records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed)
     out = []
@@ -134,8 +128,7 @@ def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
 
 
 def load_prompt_sets(args, tokenizer, samples_per_prompt):
-    """The train and eval prompts (eval: [] without --eval_dataset) and the number of steps, --num_episodes passes
-    of --rollout_batch_size prompts; a step's samples must split over the processes and into --train_batch_size."""
+    """The train and eval prompts ([] without --eval_dataset) and the step count (--num_episodes passes)."""
     world, samples = dist.get_world_size(), args.rollout_batch_size * samples_per_prompt
     if args.rollout_batch_size % world or samples % args.train_batch_size:
         fail(f"--rollout_batch_size {args.rollout_batch_size} must split over {world} processes, and its "
@@ -154,13 +147,10 @@ def prompt_batches(records, batch_size, seed, cursor):
     a seeded permutation per pass over the data; `cursor` (prompts consumed by all ranks) makes it resumable."""
     rank, world = dist.get_rank(), dist.get_world_size()
     while True:
-        idx = []
-        for _ in range(batch_size):
-            epoch, k = divmod(cursor, len(records))
-            perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed + epoch))
-            idx.append(perm[k].item())
-            cursor += 1
-        yield [records[i] for i in idx[rank::world]], cursor
+        mine = [divmod(c, len(records)) for c in range(cursor, cursor + batch_size)][rank::world]  # (epoch, k)
+        cursor += batch_size
+        yield [records[torch.randperm(len(records), generator=torch.Generator().manual_seed(seed + epoch))[k].item()]
+               for epoch, k in mine], cursor
 
 
 @dataclass
@@ -181,21 +171,18 @@ class Rollout:
     @classmethod
     def of(cls, records, eos_id, responses, logprobs=None, version=None, action_mask=None, stopped=None,
            agent_rewards=None):
-        """From an engine's plain tensors, one 1-D tensor per sample (responses, and log-probs and action masks where
-        given): the one place a rollout is padded. `stopped` defaults to "ends with eos_id"."""
+        """From an engine's 1-D tensors per sample (the one place a rollout is padded); `stopped` default: EOS last."""
         pad = lambda xs: pad_sequence(list(xs), batch_first=True)  # noqa: E731
         lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
         padded = pad(responses).long() if len(responses) else torch.zeros(0, 0, dtype=torch.long)
         mask = pad(action_mask).bool() if action_mask is not None else \
             torch.arange(padded.size(1))[None] < lengths[:, None]
-        if stopped is None:
-            stopped = [len(r) > 0 and r[-1].item() == eos_id for r in responses]
+        stopped = [len(r) > 0 and r[-1].item() == eos_id for r in responses] if stopped is None else stopped
         return cls(records, padded, lengths, mask, torch.tensor(stopped, dtype=torch.bool),
                    pad(logprobs).float() if logprobs is not None else None, version, agent_rewards)
 
     def pairs(self, idx=None):
-        """(prompt ids, response ids) of samples `idx` (default: all), each response cut to its own length: what the
-        log-prob and value passes take, padded again to each micro-batch's own longest."""
+        """(prompt ids, response ids) of samples `idx` (default: all), each response cut to its own length."""
         idx = range(len(self.records)) if idx is None else [int(i) for i in idx]
         return [(self.records[i]["ids"], self.responses[i, :self.lengths[i]]) for i in idx]
 
@@ -211,10 +198,8 @@ class Rollout:
 
 
 def start_engine(args, model, tokenizer, version=0):
-    """What samples the rollouts: HF generate on the trainer's own model (HFEngine), or with --vllm / --ray vLLM engines
-    fed the policy's weights (engines.py; `version`: the trainer step they are from); with --agent_func_path each
-    sample is an episode on that engine (agents.py). Each has sample(records, temperature) -> plain tensors
-    (sample_rollout makes them a Rollout) and sync(model, version), called after every update."""
+    """HFEngine, or with --vllm / --ray vLLM engines fed the policy's weights from trainer step `version` (engines.py);
+    --agent_func_path: episodes on it (agents.py). Each has sample(records, temperature) and sync(model, version)."""
     if args.vllm or args.ray:
         import engines
         engine = engines.start(args, model, tokenizer, version)
@@ -230,15 +215,14 @@ def start_engine(args, model, tokenizer, version=0):
 
 
 def sample_rollout(engine, records, temperature, eos_id):
-    """One completion (or episode) of each record as a Rollout (an agent's reset() may rewrite a prompt: its
-    "records" are the ones the episodes continued)."""
+    """One completion (or episode) per record as a Rollout, of the records the episodes continued (reset() may
+    rewrite a prompt)."""
     out = engine.sample(records, temperature)
     return Rollout.of(out.pop("records", records), eos_id, **out)
 
 
 def draw(prompts, engine, n, temperature, eos_id):
-    """The next batch: `n` samples of each of this rank's next prompts (prompts: a prompt_batches stream), a
-    Rollout with the time it took and where the stream stands after it."""
+    """The next Rollout: `n` samples of each of this rank's next prompts (a prompt_batches stream), its time, cursor."""
     records, cursor = next(prompts)
     t = time.time()
     batch = sample_rollout(engine, [r for r in records for _ in range(n)], temperature, eos_id)
@@ -247,10 +231,8 @@ def draw(prompts, engine, n, temperature, eos_id):
 
 
 def batches(prompts, engine, n, args, cursor, count, eos_id):
-    """-> (next_batch, release): next_batch() is the next step's Rollout, `n` samples of each of this rank's next
-    --rollout_batch_size prompts (draw on a prompt_batches stream from `cursor`); call release() after each weight
-    sync. With --async_steps N a thread (engines.Producer) samples the next of `count` batches on the Ray engines
-    while this process trains, on weights at most N syncs old."""
+    """-> (next_batch, release): the next step's Rollout from a prompt_batches stream at `cursor`, and what to call
+    after each weight sync; with --async_steps a thread (engines.Producer) samples the next of `count` batches ahead."""
     stream = prompt_batches(prompts, args.rollout_batch_size, args.seed, cursor)
     next_batch = lambda: draw(stream, engine, n, args.temperature, eos_id)  # noqa: E731
     if not args.async_steps:
@@ -267,9 +249,8 @@ class HFEngine:
         self.model, self.args, self.tokenizer = model, args, tokenizer
 
     def sample(self, records, temperature, max_new_tokens=None):
-        """One completion per record (max_new_tokens: one per record, default --generate_max_len), as every engine
-        returns them: {"responses": 1-D token ids, each through its EOS or cut at its budget, "logprobs": None,
-        "version": None}."""
+        """One completion per record (max_new_tokens: a budget per record, default --generate_max_len), as every engine
+        returns them: {"responses": 1-D ids, through EOS or cut at the budget, "logprobs": None, "version": None}."""
         a = self.args
         responses = generate_hf(self.model, self.tokenizer, [r["ids"] for r in records], temperature, a.top_p,
                                 max_new_tokens or a.generate_max_len, a.micro_rollout_batch_size,
@@ -282,10 +263,9 @@ class HFEngine:
 
 @torch.no_grad()
 def shared_prompt_cache(model, ids, mask, synced=False):
-    """For HF generate over a left-padded chunk (ids, mask) in which prompts repeat (--n_samples_per_prompt > 1): the
-    KV cache of all but the last token of each distinct row, computed once and copied to its repeats, or None
-    when nothing repeats. `synced` (ZeRO-3 over several processes): every rank takes the same branch, as it
-    must run the same forwards. A checkpoint naming its own cache class (Gemma's hybrid one) gets None."""
+    """HF generate's KV cache of a left-padded chunk (ids, mask) whose prompts repeat (--n_samples_per_prompt > 1): each
+    distinct row but its last token, computed once and copied to its repeats; None when nothing repeats or the
+    checkpoint names its own cache class (Gemma's hybrid one). `synced` (ZeRO-3): all ranks run the same forwards."""
     rows, index = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
     share = len(rows) < len(ids) and ids.size(1) > 1 and model.generation_config.cache_implementation is None
     if synced:
@@ -302,9 +282,8 @@ def shared_prompt_cache(model, ids, mask, synced=False):
 
 @torch.no_grad()
 def generate_hf(model, tokenizer, prompts, temperature, top_p=1.0, max_new_tokens=1024, chunk_size=8, synced=False):
-    """HF generate: one completion per prompt (repeat a prompt for more), in chunks of `chunk_size`, at `temperature`
-    (0: greedy) and `top_p`. A completion keeps its EOS; one that hit max_new_tokens (one for all, or a list: one per
-    prompt) has none. `synced`: ZeRO-3 over several processes, where every rank runs every forward."""
+    """One completion per prompt, in chunks of `chunk_size`, at `temperature` (0: greedy) and `top_p`, through its EOS
+    or cut at max_new_tokens (one, or a list: one per prompt). `synced`: ZeRO-3, where every rank runs every forward."""
     eos, out, m = tokenizer.eos_token_id, [], chunk_size
     budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
     for i in range(0, len(prompts), m):
@@ -339,9 +318,8 @@ def per_token(fn, batch, chunk_size):
 
 
 def rollout_logprobs(model, batch, pad_id, packing, temperature, chunk_size):
-    """common.response_logprobs of a whole rollout at `temperature` (no gradients), in chunks of `chunk_size`:
-    [N, R] on the CPU, 0 on padding. Each sample's prompt is laid out with it (share_prompts=False), as the update's
-    forward lays it out."""
+    """common.response_logprobs of a whole rollout at `temperature` (no gradients), in chunks of `chunk_size`: [N, R]
+    on the CPU, 0 on padding; each prompt laid out with its sample (share_prompts=False), as in the update's forward."""
     def chunk_logprobs(pairs):
         logprobs, _, _ = common.response_logprobs(model, pairs, pad_id, packing, temperature, share_prompts=False)
         return logprobs
@@ -349,9 +327,8 @@ def rollout_logprobs(model, batch, pad_id, packing, temperature, chunk_size):
 
 
 def reference_kl(ref, batch, old_logprobs, pad_id, offload, args):
-    """The KL penalty's estimate (--kl_estimator) per response token [N, R] of the actor (old_logprobs) against the
-    frozen reference, 0 on padding and on an agent's environment tokens; zeros without a reference (--init_kl_coef 0).
-    With `offload` the reference waits on the CPU and comes to the accelerator for this pass."""
+    """--kl_estimator's KL of old_logprobs to the reference per response token [N, R] (0 on padding and environment
+    tokens; all 0 without a reference); with `offload` the reference comes from the CPU for this pass."""
     if ref is None:
         return torch.zeros(batch.action_mask.shape)
     with common.on_accelerator(ref, offload and args.zero_stage != 3) as model:
@@ -362,22 +339,18 @@ def reference_kl(ref, batch, old_logprobs, pad_id, offload, args):
 
 # ------------------------------------------------------------------------------------------- rewards
 def reward_client(target, batch_size=64, timeout=60.0, retries=10, backoff=1.0, retry_wait=60.0):
-    """--remote_rm_url for the RL scripts -> f(queries, prompts, labels) -> {"rewards": [N], "scores": [N], "logs":
-    {name: [N]}}: float tensors of len(queries) (and a reply's "step_rewards" as sent, for process_rewards.py). The
-    target is one of:
-      http(s)://host:port/get_reward   OpenRLHF's JSON API: POST {"query": [...], "prompts": [...],
-          "labels": [...]}, reply {"rewards": [...]} (optionally "scores", "extra_logs")
-      my_reward.py   a Python file defining reward_func(queries, prompts, labels). It is YOUR code and runs
-          inside this process with your permissions. Arguments, one entry per sample, a whole rollout at once:
-            queries  list[str]  prompt + completion as the policy saw them (OpenRLHF's rule): their tokens decoded
-                                with the special tokens kept, the BOS the tokenizer put first and the EOS that
-                                ended the completion included (chat template included)
+    """--remote_rm_url -> f(queries, prompts, labels) -> {"rewards": [N], "scores": [N], "logs": {name: [N]}}, one of:
+      http(s)://host:port/get_reward   OpenRLHF's JSON API: POST {"query": [...], "prompts": [...], "labels": [...]},
+          reply {"rewards": [...]} (optionally "scores", "extra_logs", "step_rewards"); retried by remote_rewards
+      my_reward.py   a file defining reward_func(queries, prompts, labels): YOUR code, run in this process with your
+          permissions, on a whole rollout, one entry per sample:
+            queries  list[str]  prompt + completion as the policy saw them (OpenRLHF's rule): decoded with the special
+                                tokens kept (the tokenizer's BOS, the chat template, the EOS that ended the completion)
             prompts  list[str]  the prompt part of each query, decoded alike: the completion is query[len(prompt):]
-            labels   list       each sample's --label_key value from the dataset (None without --label_key)
-          It returns len(queries) floats (a list or 1-D tensor), or a dict {"rewards": floats, "scores":
-          floats (optional, used by --dynamic_filtering; default the rewards), "extra_logs": {name: floats}
-          (optional, logged as means)}. Anything else stops the run with an error saying what was wrong.
-    A reply is read by check_rewards; the server's retries: remote_rewards."""
+            labels   list       each sample's --label_key value (None without --label_key)
+          -> len(queries) floats (a list or 1-D tensor), or a dict {"rewards": floats, "scores": floats (optional, used
+          by --dynamic_filtering; default the rewards), "extra_logs": {name: floats} (optional, logged as means),
+          "step_rewards" (for process_rewards.py)}; anything else stops the run saying what is wrong (check_rewards)."""
     if str(target).startswith(("http://", "https://")):
         return lambda q, p, l: remote_rewards(target, q, p, l, batch_size, timeout, retries, backoff, retry_wait)
     reward_func, source = load_reward_func(target), f"reward_func in {target}"
@@ -385,8 +358,8 @@ def reward_client(target, batch_size=64, timeout=60.0, retries=10, backoff=1.0, 
 
 
 def user_module(path, refusal):
-    """A Python file of YOUR code (a reward_func), imported: it runs in this process, with this process's permissions,
-    exactly like a script you start with python (errors in it show its own traceback)."""
+    """A Python file of YOUR code, imported: it runs in this process with its permissions, as a script started with
+    python would (errors show its own traceback)."""
     import importlib.util
 
     path = Path(path)
@@ -407,10 +380,8 @@ def load_reward_func(path):
 
 
 def check_rewards(out, n, source):
-    """What a reward function or server returned -> {"rewards", "scores", "logs"}, or a clear error.
-    Accepted: n floats (list or 1-D tensor/array), or a dict with "rewards" (n floats; a server may send
-    only "scores"), optional "scores" (n floats, default: the rewards) and optional "extra_logs"
-    ({name: n floats or one float}). A dict's "step_rewards" are kept as sent (process_rewards.py checks them)."""
+    """A reward reply -> {"rewards", "scores", "logs"} or a clear error: n floats, or a dict of "rewards" (or only
+    "scores"), optional "scores", "extra_logs" ({name: n floats or one}) and "step_rewards" (for process_rewards.py)."""
     def floats(x, what):
         try:
             t = torch.as_tensor(x.tolist() if hasattr(x, "tolist") else x, dtype=torch.float32).flatten()
@@ -422,33 +393,29 @@ def check_rewards(out, n, source):
             fail(f"{source}: {what} holds NaN or infinity")
         return t
 
-    if isinstance(out, dict):
-        if "rewards" not in out and "scores" not in out:
-            fail(f"{source}: returned a dict without 'rewards' (keys: {', '.join(map(str, out)) or 'none'})")
-        rewards = floats(out.get("rewards", out.get("scores")), "rewards")
-        scores = floats(out["scores"], "scores") if "scores" in out else rewards
-        extra = out.get("extra_logs") or {}
-        if not isinstance(extra, dict):
-            fail(f"{source}: extra_logs must be a dict of name -> values, got {type(extra).__name__}")
-        logs = {}
-        for k, v in extra.items():
-            v = v.tolist() if hasattr(v, "tolist") else v
-            logs[str(k)] = floats([v] * n if isinstance(v, (int, float)) else v, f"extra_logs[{k!r}]")
-        steps = {"step_rewards": out["step_rewards"]} if "step_rewards" in out else {}
-        return {"rewards": rewards, "scores": scores, "logs": logs, **steps}
     if isinstance(out, (list, tuple, torch.Tensor, np.ndarray)):
-        rewards = floats(out, "rewards")
-        return {"rewards": rewards, "scores": rewards, "logs": {}}
-    fail(f"{source}: returned {type(out).__name__}; expected a list/tensor of floats or a dict with 'rewards'")
+        out = {"rewards": out}
+    if not isinstance(out, dict):
+        fail(f"{source}: returned {type(out).__name__}; expected a list/tensor of floats or a dict with 'rewards'")
+    if "rewards" not in out and "scores" not in out:
+        fail(f"{source}: returned a dict without 'rewards' (keys: {', '.join(map(str, out)) or 'none'})")
+    rewards = floats(out.get("rewards", out.get("scores")), "rewards")
+    scores = floats(out["scores"], "scores") if "scores" in out else rewards
+    extra = out.get("extra_logs") or {}
+    if not isinstance(extra, dict):
+        fail(f"{source}: extra_logs must be a dict of name -> values, got {type(extra).__name__}")
+    logs = {}
+    for k, v in extra.items():
+        v = v.tolist() if hasattr(v, "tolist") else v
+        logs[str(k)] = floats([v] * n if isinstance(v, (int, float)) else v, f"extra_logs[{k!r}]")
+    return {"rewards": rewards, "scores": scores, "logs": logs, **{k: out[k] for k in ["step_rewards"] if k in out}}
 
 
 def remote_rewards(url, queries, prompts, labels, batch_size=64, timeout=60.0, retries=10, backoff=1.0,
                    retry_wait=60.0):
-    """POST {"query", "prompts", "labels"} to `url` in batches and read the rewards back (check_rewards, then joined
-    in order). Connection errors, timeouts, 5xx and 429 are retried up to `retries` times, waiting backoff,
-    2*backoff, ... (at most 10*backoff each; the last wait cut to what is left) for at most `retry_wait` seconds in
-    all (a restarting server is back in about 20 s); after the last try (or at once on any other 4xx) it stops with an
-    error naming the URL, the cause and how long it tried: a missing reward is never passed on as None or 0."""
+    """POST {"query", "prompts", "labels"} to `url` in batches, each reply read by check_rewards. Connection errors,
+    timeouts, 5xx and 429 are retried (waits backoff, 2*backoff, ... <= 10*backoff, `retry_wait` s in all); then, or at
+    once on another 4xx, the run stops with URL, cause and time tried: a missing reward never passes as None or 0."""
     import httpx
 
     outs = []
@@ -501,26 +468,16 @@ def rm_scores(rm, pairs, tokenizer, chunk_size):
 
 
 def client_rewards(client, pairs, labels, tokenizer):
-    """A reward function or server (reward_client) gets text: prompt and completion tokens decoded together, special
-    tokens kept, and the prompt's alone (decoding a completion on its own can drop the space a sentencepiece word
-    starts with). pairs: (prompt ids, response ids); -> the client's named result."""
+    """A reward_client on (prompt ids, response ids) pairs: queries are prompt and completion decoded together, special
+    tokens kept (decoded alone, a completion can lose the space its first sentencepiece word starts with)."""
     prompts = [tokenizer.decode(p) for p, _ in pairs]
     queries = [tokenizer.decode(torch.cat([p, c])) for p, c in pairs]
     return client(queries, prompts, labels)
 
 
-def args_client(args):
-    """--remote_rm_url's reward_client (None with --reward_pretrain); made before any model loads, so a bad
-    reward file stops the run at once."""
-    return args.remote_rm_url and reward_client(args.remote_rm_url, args.remote_rm_batch_size,
-                                                args.remote_rm_timeout, args.remote_rm_retries,
-                                                retry_wait=args.remote_rm_retry_wait)
-
-
 def reward_fn(args, tokenizer, cfg, client, offload=False, normalize=False):
-    """The training reward, f(batch: a Rollout) -> {"rewards": [N], "scores": [N], "logs": {name: [N]}} (and with
-    --process_rewards "step_rewards" [N, R], "step_ends" [N, R]): `client` on text, or --reward_pretrain's score at
-    EOS (rm_reward), or the agent's, which the episodes carry."""
+    """The training reward, f(Rollout) -> {"rewards": [N], "scores": [N], "logs": {name: [N]}} (--process_rewards: also
+    "step_rewards", "step_ends" [N, R]): the client's, --reward_pretrain's (rm_reward) or the agent's (episodes')."""
     if args.agent_func_path:
         return lambda batch: batch.agent_rewards
     on_pairs = client and (lambda pairs, labels: client_rewards(client, pairs, labels, tokenizer))
@@ -554,8 +511,7 @@ def rm_reward(args, tokenizer, cfg, offload, normalize):
 
 
 def penalize_unfinished(rewards, stopped, penalty):
-    """--non_stop_penalty: a completion cut off at --generate_max_len (stopped False) gets this fixed reward instead
-    (None: as scored)."""
+    """--non_stop_penalty: the reward of a completion cut at --generate_max_len (stopped False); None: as scored."""
     return rewards if penalty is None else torch.where(stopped, rewards, torch.tensor(penalty, dtype=rewards.dtype))
 
 
@@ -569,8 +525,8 @@ def score(batch, reward_fn, args):
 
 # ---------------------------------------------------------------------------------------------- eval
 def eval_rewards(reward_fn, eval_fn, tokenizer):
-    """evaluate's per_sample for a trained reward: its mean and extra logs, and with eval_fn (--eval_reward_func: a
-    rule, e.g. the toy task's correctness) that reward as rule_reward with its extra logs (the toy's accuracy)."""
+    """evaluate's per_sample: the reward as trained on and its logs, and with eval_fn (--eval_reward_func: a rule,
+    e.g. the toy task's correctness) that reward as rule_reward with its extra logs."""
     def per_sample(batch):
         out = reward_fn(batch)
         metrics = {"reward": out["rewards"], **out["logs"]}
@@ -582,10 +538,8 @@ def eval_rewards(reward_fn, eval_fn, tokenizer):
 
 
 def eval_samples(batch, values, tokenizer, count):
-    """The first `count` samples of a Rollout as rows for common.Logger.log_samples: the prompt and the completion as
-    the policy saw them (decoded with their special tokens, as reward functions get them: a chat template's markers,
-    the EOS that ended the completion), how it ended (EOS, or cut at --generate_max_len), and its `values`
-    ({name: [N]}: reward, accuracy, ...)."""
+    """A Rollout's first `count` samples as common.Logger.log_samples rows: prompt and completion as reward functions
+    get them (special tokens kept: a chat template's, the EOS), how it ended, and its `values` ({name: [N]})."""
     rows = []
     for i in range(min(count, len(batch.records))):
         length = int(batch.lengths[i])
@@ -598,11 +552,9 @@ def eval_samples(batch, values, tokenizer, count):
 
 @torch.no_grad()
 def evaluate(eval_records, engine, per_sample, tokenizer, log_samples=0, n=1, temperature=0.0, pass_key="reward"):
-    """n completions of each eval prompt at `temperature` (--eval_n_samples_per_prompt, --eval_temperature; default:
-    one, greedy), split over ranks (episodes with --agent_func_path); per_sample(batch) -> {name: [N]} (rewards,
-    accuracy, ...). -> {"metrics": the mean of each over all completions, and with n > 1 pass@n, the mean over prompts
-    of the best of their n `pass_key`; "samples": rank 0's first `log_samples` completions as eval_samples rows (other
-    ranks: none)}, what common.log_eval takes."""
+    """n completions of each eval prompt (split over ranks) at `temperature`, per_sample(batch) -> {name: [N]} ->
+    common.log_eval's {"metrics": each name's mean, with n > 1 also pass@n, the mean over prompts of their best
+    `pass_key`; "samples": rank 0's first `log_samples` completions as eval_samples rows}."""
     mine, real = common.rank_share(eval_records)  # fillers keep ZeRO-3 ranks in step (rank 0 has none)
     batch = sample_rollout(engine, [r for r in mine for _ in range(n)], temperature, tokenizer.eos_token_id)
     values, real = per_sample(batch), torch.tensor(real)
@@ -617,8 +569,7 @@ def evaluate(eval_records, engine, per_sample, tokenizer, log_samples=0, n=1, te
 def actor_step(actor, pairs, old_logprobs, advantages, action_mask, engine_logprobs, pad_id, args):
     """One clipped-surrogate step of the actor on a micro-batch (pairs, and its rows of the rollout's log-probs,
     advantages and action mask [b, R]; engine_logprobs: the engine's, or None) -> policy_loss, clip_frac, entropy."""
-    # the entropy is logged; its graph is kept only when it is in the loss
-    logprobs, entropy, aux_loss = common.response_logprobs(
+    logprobs, entropy, aux_loss = common.response_logprobs(  # the entropy's graph only when it is in the loss
         actor, pairs, pad_id, args.packing_samples, args.temperature, with_entropy=True,
         entropy_grad=bool(args.entropy_loss_coef), share_prompts=False)  # [b, T]
     T, device = logprobs.size(1), logprobs.device
@@ -640,18 +591,12 @@ def actor_step(actor, pairs, old_logprobs, advantages, action_mask, engine_logpr
 
 
 def critic_values(critic, batch, pad_id, packing):
-    """The value head, visible: the classifier's `score` layer applied at every position (not just the
-    last, as a reward model reads it), taken where the state before each response token ends. batch:
-    (prompt, response) pairs. -> [B, R]."""
+    """Values [B, R] of (prompt, response) pairs: the classifier's `score` layer at every position (a reward model
+    reads only the last), taken at the state before each response token."""
     inputs, where = common.response_inputs(critic, batch, pad_id, packing)  # padded or packed
     hidden = getattr(critic, critic.base_model_prefix)(**inputs).last_hidden_state
     values = critic.score(hidden).squeeze(-1).float()[where]  # [sum R]
     return pad_sequence(values.split([len(r) for _, r in batch]), batch_first=True)
-
-
-def rollout_values(critic, batch, pad_id, packing, chunk_size):
-    """critic_values of a whole rollout (no gradients), in chunks of `chunk_size`: [N, R] on the CPU."""
-    return per_token(lambda chunk: critic_values(critic, chunk, pad_id, packing), batch, chunk_size)
 
 
 def critic_step(critic, pairs, old_values, returns, action_mask, pad_id, packing, value_clip):
@@ -677,8 +622,7 @@ def init_value_head(critic, path, args):
 
 
 def load_actor(args, tokenizer, cfg, num_training_steps):
-    """The actor: --pretrain's causal LM with dropout off (and --aux_loss_coef's router loss), wrapped by DeepSpeed with
-    its optimizer at --actor_learning_rate."""
+    """The actor: --pretrain's causal LM, dropout off, router loss on with --aux_loss_coef, at --actor_learning_rate."""
     model = common.load_model(args.pretrain, args, tokenizer, cfg)
     enable_router_loss(model, args.aux_loss_coef)
     common.disable_dropout(model)
@@ -686,8 +630,8 @@ def load_actor(args, tokenizer, cfg, num_training_steps):
 
 
 def load_critic(args, tokenizer, cfg, num_training_steps):
-    """The critic: a sequence classifier (one output) from --critic_pretrain (default: the reward model, else the
-    actor) with dropout off and init_value_head, wrapped by DeepSpeed with its optimizer at --critic_learning_rate."""
+    """The critic: a one-output classifier from --critic_pretrain (default: the reward model, else the actor), dropout
+    off, init_value_head, DeepSpeed at --critic_learning_rate."""
     path = args.critic_pretrain or args.reward_pretrain or args.pretrain
     model = common.load_model(path, args, tokenizer, cfg, model_class=AutoModelForSequenceClassification,
                               num_labels=1)
@@ -708,8 +652,7 @@ def enable_router_loss(model, coef):
 
 
 def ds_config(args):
-    """DeepSpeed's config from the flags: batch sizes and accumulation, clipping, ZeRO, bf16. A copy in each training
-    script (tests compare them)."""
+    """DeepSpeed's config from the flags (batch sizes, accumulation, clipping, ZeRO, bf16); tests compare the copies."""
     world = dist.get_world_size()
     if args.train_batch_size % (args.micro_train_batch_size * world):
         fail(f"--train_batch_size {args.train_batch_size} is not a multiple of --micro_train_batch_size "
@@ -718,25 +661,18 @@ def ds_config(args):
             "overlap_comm": args.overlap_comm}
     if args.adam_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    return {
-        "train_batch_size": args.train_batch_size,
-        "train_micro_batch_size_per_gpu": args.micro_train_batch_size,
-        "gradient_accumulation_steps": args.train_batch_size // (args.micro_train_batch_size * world),
-        "gradient_clipping": args.max_norm,
-        "zero_optimization": zero,
-        "bf16": {"enabled": args.bf16},
-        # each node's first process writes the files DeepSpeed otherwise writes on rank 0 alone (the model states
-        # of ZeRO 0-2, the client state), when --ckpt_path is a directory of each node's own
-        "checkpoint": {"use_node_local_storage": common.checkpoints_node_local(args)},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
+    return {"train_batch_size": args.train_batch_size, "train_micro_batch_size_per_gpu": args.micro_train_batch_size,
+            "gradient_accumulation_steps": args.train_batch_size // (args.micro_train_batch_size * world),
+            "gradient_clipping": args.max_norm, "zero_optimization": zero, "bf16": {"enabled": args.bf16},
+            # with --ckpt_path a directory of each node's own, each node's first process writes what DeepSpeed
+            # otherwise writes on rank 0 alone (ZeRO 0-2's model states, the client state)
+            "checkpoint": {"use_node_local_storage": common.checkpoints_node_local(args)},
+            "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
 
 def setup_deepspeed(model, args, config, num_training_steps, learning_rate=None, name=None):
-    """AdamW (torch's fused kernel, CPU or GPU: no op to compile, and one pass over the states instead of one
-    per operation) at `learning_rate` (default --learning_rate) + warm-up/decay schedule, wrapped by a DeepSpeed
-    engine. `name` labels the line that says what it trains (the actor, the critic)."""
+    """A DeepSpeed engine over AdamW at `learning_rate` (default --learning_rate) with warm-up/decay: torch's fused
+    AdamW (CPU or GPU: no op to compile, one pass over the states instead of one per operation). `name` labels it."""
     params = [p for p in model.parameters() if p.requires_grad]
     lr = args.learning_rate if learning_rate is None else learning_rate
     if args.adam_offload:
@@ -744,11 +680,9 @@ def setup_deepspeed(model, args, config, num_training_steps, learning_rate=None,
         optimizer = DeepSpeedCPUAdam(params, lr=lr, betas=args.adam_betas, weight_decay=args.l2)
     else:
         optimizer = torch.optim.AdamW(params, lr=lr, betas=args.adam_betas, weight_decay=args.l2, fused=True)
-    scheduler = get_scheduler(
-        args.lr_scheduler, optimizer, num_warmup_steps=int(args.lr_warmup_ratio * num_training_steps),
-        num_training_steps=num_training_steps,
-        scheduler_specific_kwargs={"min_lr_rate": 0.1} if args.lr_scheduler == "cosine_with_min_lr" else None,
-    )
+    min_lr = {"min_lr_rate": 0.1} if args.lr_scheduler == "cosine_with_min_lr" else None
+    scheduler = get_scheduler(args.lr_scheduler, optimizer, int(args.lr_warmup_ratio * num_training_steps),
+                              num_training_steps, scheduler_specific_kwargs=min_lr)  # warm-up steps, all steps
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     if dist.get_world_size() == 1 and args.zero_stage == 0 and not args.bf16:
         engine.enable_backward_allreduce = False  # one process: nothing to average; skips flattening every gradient
@@ -761,9 +695,8 @@ def setup_deepspeed(model, args, config, num_training_steps, learning_rate=None,
 
 
 # ------------------------------------------------------------------------------------------------- flags
-# The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
-# (common.parse_args; "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_short and
-# runs/rm with --normalize_reward (README).
+# The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply without --dataset (common.parse_args;
+# "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_short and runs/rm with --normalize_reward (README).
 DEFAULTS = {
     "save_path":                  ("runs/ppo",   "runs/ppo"),
     "dataset":                    (None,         "{toy}/prompts_train.jsonl"),
@@ -782,8 +715,7 @@ DEFAULTS = {
 
 
 def add_training_args(p: argparse.ArgumentParser):
-    """The flags every training script takes (OpenRLHF's names): model, data, optimizer, LoRA, DeepSpeed, checkpoints,
-    logging. Scripts set their own defaults; a copy in each training script (tests compare them)."""
+    """The flags every training script takes (OpenRLHF's names; defaults set per script); tests compare the copies."""
     a, ranged = p.add_argument, common.ranged
     a("--pretrain", default=None, help="model: hub name or local path (default: the toy model)")
     a("--dataset", default=None, help="hub name, directory, or .json/.jsonl/.parquet/.csv file (default: toy)")
@@ -842,8 +774,7 @@ def add_training_args(p: argparse.ArgumentParser):
 
 
 def add_rollout_args(p):
-    """The RL flags (OpenRLHF's names): sampling, vLLM / Ray engines, rewards, evaluation, --async_steps, the rollout
-    correction, process rewards and agents. A copy in each RL script with what that script takes."""
+    """The RL flags (OpenRLHF's names); each RL script's copy holds those it takes (tests compare them)."""
     a = p.add_argument
     a("--rollout_batch_size", type=ranged(int, 1), default=64, help="prompts per step (all ranks)")
     a("--micro_rollout_batch_size", type=ranged(int, 1), default=8,
@@ -872,9 +803,8 @@ def add_rollout_args(p):
     a("--remote_rm_timeout", type=ranged(float, 0, lo_open=True), default=60.0, help="seconds per HTTP request")
     a("--remote_rm_retries", type=ranged(int, 0), default=10,
       help="retries after a failed HTTP request, waiting 1 s, 2 s, 4 s, 8 s, then 10 s each")
-    a("--remote_rm_retry_wait", type=ranged(float, 0), default=60.0,
-      help="seconds of waiting between retries in all, after which a failing server stops the run (a restarting "
-           "server needs about 20 s)")
+    a("--remote_rm_retry_wait", type=ranged(float, 0), default=60.0, help="seconds of waiting between retries in all, "
+      "after which a failing server stops the run (a restarting server needs about 20 s)")
     a("--non_stop_penalty", type=ranged(float), default=None,
       help="reward of a completion without EOS (default: as scored)")
     a("--eval_steps", type=ranged(int, 1, also=[-1]), default=-1,
@@ -906,8 +836,7 @@ def add_rollout_args(p):
 
 
 def check_one_reward(args):
-    """Exactly one source of rewards (with --process_rewards a local PRM may come with an outcome reward,
-    --remote_rm_url)."""
+    """Exactly one source of rewards (--process_rewards: a local PRM may come with an outcome one, --remote_rm_url)."""
     sources = [args.remote_rm_url, args.reward_pretrain, args.agent_func_path]
     if args.process_rewards and args.agent_func_path:
         fail("--process_rewards scores the steps of one completion; an agent's episodes are scored by the agent")
@@ -915,15 +844,13 @@ def check_one_reward(args):
         sources = sources[1:]  # the PRM judges the steps, --remote_rm_url the outcome (process_rewards.py)
     if sum(x is not None for x in sources) != 1:
         fail("give exactly one reward: --remote_rm_url (URL or .py file), --reward_pretrain or --agent_func_path")
-    if args.process_rewards and args.reward_pretrain:
-        if not is_prm(args.reward_pretrain, args):
-            fail(f"--process_rewards: {args.reward_pretrain} is not a prm.py model (no placeholder_token_id in its "
-                 "config); a sequence classifier gives no step scores")
+    if args.process_rewards and args.reward_pretrain and not is_prm(args.reward_pretrain, args):
+        fail(f"--process_rewards: {args.reward_pretrain} is not a prm.py model (no placeholder_token_id in its "
+             "config); a sequence classifier gives no step scores")
 
 
 def check_rl_options(args):
-    """The vLLM, evaluation, agent, async and rollout-correction options that only make sense together; sets
-    args.rollout_correction (a mode, or None)."""
+    """The vLLM, eval, agent, async and rollout-correction options that go together; sets args.rollout_correction."""
     for option in ("enable_prefix_caching", "enforce_eager", "vllm_gpu_memory_utilization"):
         if getattr(args, option) not in (None, False) and not (args.vllm or args.ray):
             fail(f"--{option} is a vLLM option: add --vllm or --ray")
@@ -991,7 +918,9 @@ def parse_args():
 
 def main():
     args = parse_args()
-    client = args_client(args)  # before any model loads: a bad reward file stops the run at once
+    client = args.remote_rm_url and reward_client(  # before any model loads: a bad reward file stops the run at once
+        args.remote_rm_url, args.remote_rm_batch_size, args.remote_rm_timeout, args.remote_rm_retries,
+        retry_wait=args.remote_rm_retry_wait)
     if args.vllm or args.ray:  # vLLM engines sample: their metrics (engine_gap, staleness) come from engines.py
         import engines
     eval_fn = args.eval_reward_func and reward_client(args.eval_reward_func)
@@ -1010,8 +939,7 @@ def main():
     reward = reward_fn(args, tokenizer, cfg, client, offload, args.normalize_reward)  # f(batch) -> named result
     start_step, state = common.load_checkpoint(actor, args, others={"critic": critic})
     kl_coef = state.get("kl_coef", args.init_kl_coef)
-    # HF generate on the actor, or --vllm / --ray engines fed its weights; a version counts the actor's updates in them
-    actor_version = lambda step: max(step - max(args.freezing_actor_steps, 0), 0)  # noqa: E731  (at the step's start)
+    actor_version = lambda step: max(step - max(args.freezing_actor_steps, 0), 0)  # noqa: E731  (actor updates so far)
     engine = start_engine(args, actor.module, tokenizer, actor_version(start_step))
     # --async_steps N: the Ray engines sample the next batches while this process trains, on weights <= N updates old
     next_batch, release = batches(prompts, engine, n, args, state.get("prompt_cursor", 0), total_steps - start_step,
@@ -1022,9 +950,8 @@ def main():
         return evaluate(eval_prompts, engine, eval_rewards(reward, eval_fn, tokenizer), tokenizer, args.log_samples,
                         args.eval_n_samples_per_prompt, args.eval_temperature, "rule_reward" if eval_fn else "reward")
 
-    timed = ("generate_s", "wait_s", "forward_s", "train_s", *(("sync_s",) if args.vllm or args.ray else ()),
-             "step_s")  # summed for eval_results.json
-    logger, results = common.Logger(args, total_steps, start_step, timed), {}
+    timed = ("generate_s", "wait_s", "forward_s", "train_s", *(("sync_s",) if args.vllm or args.ray else ()), "step_s")
+    logger, results = common.Logger(args, total_steps, start_step, timed), {}  # timed: summed for eval_results.json
     if eval_prompts:
         common.log_eval(logger, start_step, run_eval(), results, "_before")
     for step in range(start_step, total_steps):
@@ -1040,7 +967,7 @@ def main():
         rewards = scored["rewards"]  # [N]
         action_mask = batch.action_mask  # [N, R]: 0 on padding and on an agent's environment tokens
         old_logprobs = rollout_logprobs(actor.module, batch, pad_id, args.packing_samples, args.temperature, chunk_size)
-        values = rollout_values(critic.module, batch, pad_id, args.packing_samples, chunk_size)  # [N, R] each
+        values = per_token(lambda c: critic_values(critic.module, c, pad_id, args.packing_samples), batch, chunk_size)
         kl = reference_kl(ref, batch, old_logprobs, pad_id, offload, args)  # [N, R]
 
         # 2. per-token rewards (the reward at EOS, KL penalty on every token; --process_rewards: each step's score on
@@ -1059,7 +986,7 @@ def main():
         metrics["forward_s"] = time.time() - t
 
         # 3. update: --max_epochs passes over shuffled micro-batches (index slices, each cut to its own longest
-        #    response); each engine steps its optimizer every train_batch_size samples (micro-batches, ranks)
+        #    response); DeepSpeed steps each optimizer every train_batch_size samples (micro-batches, ranks)
         t = time.time()
         train_actor = step >= args.freezing_actor_steps  # (OpenRLHF's -1: from the start, as 0)
         actor.module.train()

@@ -5,12 +5,11 @@
         --input_key input --label_key label --placeholder_token "ки" --reward_tokens "+" "-" \\
         --zero_stage 3 --bf16 --packing_samples --learning_rate 2e-6
 
-Data: `input` is the solution text with a placeholder token after every step; `label` is a list with
-one entry per placeholder: a reward token ("+" good, "-" bad; hard labels) or a float, the probability
-that the step is good (soft labels, e.g. from Monte-Carlo rollouts); or, as in raw Math-Shepherd rows, a
-string: the input with each placeholder replaced by its reward token. The loss is read only at the
-placeholders, over the reward tokens' logits: the model, at the end of a step, predicts "+" or "-".
-The output is a plain Hugging Face causal LM whose config also names the placeholder and reward tokens.
+Data: `input` is the solution text with a placeholder token after every step; `label` is a list with one entry per
+placeholder: a reward token ("+" good, "-" bad; hard labels) or a float, the probability that the step is good (soft
+labels, e.g. from Monte-Carlo rollouts); or, as in raw Math-Shepherd rows, a string: the input with each placeholder
+replaced by its reward token. The loss is read only at the placeholders, over the reward tokens' logits: at a step's
+end the model predicts "+" or "-". Saved: a plain Hugging Face causal LM whose config names both kinds of token.
 """
 
 import argparse
@@ -178,9 +177,6 @@ def eval_shard(items, batch_size):
     mine += [-1] * (-(-len(items) // world) - len(mine))
     shard, real = [items[max(j, 0)] for j in mine], [j >= 0 for j in mine]
     return [(shard[i:i + batch_size], real[i:i + batch_size]) for i in range(0, len(shard), batch_size)]
-
-
-REDUCE = {"min": min, "last": lambda s: s[-1], "mean": lambda s: sum(s) / len(s)}  # --prm_reduce: steps -> one reward
 
 
 def steps_of(text, separator):
@@ -433,6 +429,7 @@ def main():
     common.init_distributed(args)
     start = time.time()
 
+    # 1. data: every step ends in the placeholder, labelled with a reward token; the other tokens masked
     tokenizer = common.load_tokenizer(args.pretrain, args)
     placeholder_id, reward_ids = setup_tokens(tokenizer, args.placeholder_token, args.reward_tokens)
     keys = [args.input_key, args.label_key]
@@ -455,6 +452,7 @@ def main():
                     f"{args.train_batch_size}")
     eval_data = tokenize(args.eval_dataset, args.eval_split) if args.eval_dataset else []
 
+    # 2. model and DeepSpeed engine, resumed with --load_checkpoint
     cfg = ds_config(args)
     model = common.load_model(args.pretrain, args, tokenizer, cfg)
     enable_router_loss(model, args.aux_loss_coef)
@@ -463,6 +461,7 @@ def main():
     start_step, _ = common.load_checkpoint(engine, args)
     logger = common.Logger(args, total_steps, start_step)
 
+    # 3. train: one optimizer step per --train_batch_size samples; log, save, eval
     for step, epoch, micro_batches in train_batches(len(train), args, start_step):
         t0, stats = time.time(), []
         for idx in micro_batches:
@@ -477,9 +476,8 @@ def main():
             engine.backward(loss)
             engine.step()
             stats.append([loss.item(), acc.item()])
-        loss, acc = common.all_reduce_sum(torch.tensor(stats).mean(0).tolist())
-        world = dist.get_world_size()
-        logger.log(step + 1, {"loss": loss / world, "step_acc": acc / world, "lr": engine.get_lr()[0],
+        loss, acc = [v / dist.get_world_size() for v in common.all_reduce_sum(torch.tensor(stats).mean(0).tolist())]
+        logger.log(step + 1, {"loss": loss, "step_acc": acc, "lr": engine.get_lr()[0],
                               "samples_per_s": args.train_batch_size / (time.time() - t0), "epoch": epoch})
         if common.due(args.save_steps, step + 1):
             common.save_checkpoint(engine, args, step + 1)
@@ -487,6 +485,7 @@ def main():
             logger.log(step + 1, evaluate(engine, eval_data, reward_ids, placeholder_id, tokenizer.pad_token_id, args),
                        prefix="eval")
 
+    # 4. the final eval, then save the model with its step tokens (serve_rm.py and --process_rewards read them)
     results = {"train_time_s": time.time() - start, "steps": total_steps}
     if eval_data:
         metrics = evaluate(engine, eval_data, reward_ids, placeholder_id, tokenizer.pad_token_id, args)

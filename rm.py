@@ -283,6 +283,7 @@ DEFAULTS = {
 
 
 def main():
+    # 1. flags (the toy world's defaults without --dataset) and processes
     parser = add_training_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     parser.add_argument("--chosen_key", default="chosen")
     parser.add_argument("--rejected_key", default="rejected")
@@ -293,6 +294,7 @@ def main():
     common.init_distributed(args)
     start = time.time()
 
+    # 2. data: (chosen, rejected, margin), each prompt + response ending in EOS, where the reward is read
     tokenizer = common.load_tokenizer(args.pretrain, args)
     keys = [k for k in (args.input_key, args.chosen_key, args.rejected_key, args.margin_key) if k]
 
@@ -308,6 +310,7 @@ def main():
     eval_data = tokenize(*common.load_records(args.eval_dataset, args.eval_split, keys, with_locations=True)) \
         if args.eval_dataset else []
 
+    # 3. model (a one-output score head) and DeepSpeed engine, resumed with --load_checkpoint
     cfg = ds_config(args)
     model = common.load_model(args.pretrain, args, tokenizer, cfg, AutoModelForSequenceClassification, num_labels=1)
     if not any(a.endswith("ForSequenceClassification") for a in AutoConfig.from_pretrained(
@@ -320,6 +323,7 @@ def main():
     start_step, _ = common.load_checkpoint(engine, args)
     logger = common.Logger(args, total_steps, start_step)
 
+    # 4. train on the pairwise loss: one optimizer step per --train_batch_size pairs; log, save, eval
     for step, epoch, micro_batches in train_batches(len(train), args, start_step):
         t0, stats = time.time(), []
         for idx in micro_batches:
@@ -340,6 +344,7 @@ def main():
         if eval_data and common.due(args.eval_steps, step + 1, total_steps):
             logger.log(step + 1, evaluate(engine, eval_data, tokenizer, args), prefix="eval")
 
+    # 5. the final eval (its reward mean/std saved with the model: OpenRLHF's normalisation), then save
     results, extra = {"train_time_s": time.time() - start, "steps": total_steps}, {}
     if eval_data:
         metrics = evaluate(engine, eval_data, tokenizer, args)

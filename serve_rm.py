@@ -10,47 +10,37 @@
     first; the server adds none, so a text without it is not what the model was trained on)
 
 API
-  POST /get_reward  {"query": [str, ...], "prompts": [...]?, "labels": [...]?}  (what OpenRLHF's trainer
-                    sends), or {"messages": [[{"role": ..., "content": ...}, ...], ...]} (rendered with the
-                    model's chat template). Reply: "rewards" and "scores" (the same floats, in request
-                    order; current OpenRLHF clients read "scores", older ones "rewards") and "extra_logs" (OpenRLHF's
-                    "dummy_scores": the same floats again, which its trainer logs);
-                    with --rm_type prm also "step_rewards", the per-step probabilities of each query.
+  POST /get_reward  {"query": [str, ...], "prompts": [...]?, "labels": [...]?} (what OpenRLHF's trainer sends), or
+                    {"messages": [[{"role": ..., "content": ...}, ...], ...]} (rendered with the model's chat
+                    template). Reply: "rewards" and "scores" (the same floats, in request order; current OpenRLHF
+                    clients read "scores", older ones "rewards"), "extra_logs" (OpenRLHF's "dummy_scores": the same
+                    again, which its trainer logs); with --rm_type prm also "step_rewards", each query's per-step
+                    probabilities.
   GET /health       200 once the model is loaded, 503 before.
   GET /info         model, kind, max_len and batching limits.
-Bad requests get a 4xx naming the field (invalid JSON 400, auth 401, too large 413, bad fields 422);
-the server never answers with a traceback. With --api_key (or $RM_API_KEY) every request needs
-"Authorization: Bearer <key>". Request contents are never logged unless --log_requests.
+Bad requests get a 4xx naming the field (invalid JSON 400, auth 401, too large 413, bad fields 422), never a
+traceback. With --api_key (or $RM_API_KEY) every request needs "Authorization: Bearer <key>". Request contents are
+never logged unless --log_requests.
 
 Reward kinds (--rm_type):
-  seq_cls          a sequence classifier (rm.py's output, any HF *ForSequenceClassification RM) read at
-                   the EOS that ends each query, as rm.py trains; --normalize_reward uses the
-                   mean/std in its config
+  seq_cls          a sequence classifier (rm.py's output, any HF *ForSequenceClassification RM) read at the EOS
+                   that ends each query, as rm.py trains; --normalize_reward uses the mean/std in its config
   causal_lm_token  a causal LM's logit of --reward_token_id at the position after the query
-  prm              a prm.py model: P(first reward token) at every step placeholder, reduced per query
-                   with --prm_reduce min|last|mean. An RL trainer's query (with its "prompts" entry) gets one
-                   after each step of its completion (the text after the prompt, special tokens removed; steps
-                   end at --step_separator), the steps the trainer counts (process_rewards.py's contract); a
-                   query without a prompt that holds placeholders is prm.py's data form, scored as sent
+  prm              a prm.py model: P(first reward token) at every step placeholder, reduced per query with
+                   --prm_reduce. An RL trainer's query (with its "prompts" entry) gets one after each step of its
+                   completion, the steps the trainer counts (process_rewards.py's contract: prm_query); a query
+                   without a prompt that holds placeholders is prm.py's data form, scored as sent
 
-What is scored (seq_cls), so that rm.py's models score as they were trained and OpenRLHF's trainer gets
-what OpenRLHF's own serve_rm gives it:
-  1. pad and eos tokens at either end of a query are dropped, and whitespace after the last of them
-     ("...<|im_end|>\n" as a chat template renders a reply);
-  2. no special token is added: a query has a BOS only if its text does (OpenRLHF's trainer, and ours, send
-     sequences decoded with their special tokens, the BOS the tokenizer put before the prompt included);
-  3. one EOS is appended: the token the reward is read at (rm.py's sequences always end in one).
-  'messages' are rendered with the chat template (which writes its own BOS, if any), then steps 1-3, exactly as
-  rm.py tokenizes a conversation. This is what OpenRLHF's serve_rm (0.11) scores, the query as sent with no
-  special tokens added, but for a response cut at the length limit (no EOS): OpenRLHF reads the reward at its
-  last token, this server at an appended EOS, the only token a reward model trained on EOS-terminated pairs
-  has learnt to score.
-The other kinds score the text as sent, no special tokens added.
+What is scored (seq_cls), so that rm.py's models score as trained and OpenRLHF's trainer gets what OpenRLHF's own
+serve_rm (0.11) gives it: the query as sent, no special token added (a BOS only if its text has one: trainers send
+sequences decoded with their special tokens), its end pads/eos dropped and one EOS appended (tokenize); 'messages'
+rendered with the chat template first, exactly as rm.py tokenizes a conversation. One difference from OpenRLHF: a
+response cut at the length limit (no EOS) is read at an appended EOS, not at its last token, the only token a
+reward model trained on EOS-terminated pairs has learnt to score. The other kinds score the text as sent.
 
-How it is fast: requests are tokenized on arrival and queued; one worker thread takes everything queued
-(waiting up to --max_wait_ms for requests already in flight, never when a request is alone), sorts the
-sequences by length (less padding) and runs them in batches of at most --max_batch_tokens padded tokens
-(a huge request is split the same way, never run whole), while the event loop keeps accepting requests.
+How it is fast: requests are tokenized on arrival and queued; one worker thread (Batcher) runs everything queued,
+sorted by length (less padding), in batches of at most --max_batch_tokens padded tokens (a huge request is split the
+same way), while the event loop keeps accepting requests.
 """
 
 import argparse
@@ -105,11 +95,6 @@ def error(status, message):
     return JSONResponse({"error": message}, status_code=status)
 
 
-def field_errors(e: ValidationError):
-    """pydantic's errors as one line naming each field, e.g. "query.2: Input should be a valid string"."""
-    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
-
-
 async def read_body(request: Request, limit):
     """The raw body, or None when it is larger than `limit` bytes (checked while it streams in)."""
     if int(request.headers.get("content-length") or 0) > limit:
@@ -123,8 +108,7 @@ async def read_body(request: Request, limit):
     return b"".join(chunks)
 
 
-# ------------------------------------------------------------------------ prm: steps (prm.py's rules)
-# Copies of prm.py's (tests compare them): the server reads a query's steps as the trainer and prm.py do.
+# ------------------------------------------------------ prm: steps, by copies of prm.py's rules (tests compare them)
 REDUCE = {"min": min, "last": lambda s: s[-1], "mean": lambda s: sum(s) / len(s)}  # --prm_reduce: steps -> one reward
 
 
@@ -137,10 +121,9 @@ def steps_of(text, separator):
 
 
 def completion_text(text, tokenizer):
-    """What the step contract reads of a completion: its text decoded with the special tokens kept (as a /get_reward
-    query carries it), every special token's text removed. A BOS or EOS the policy wrote inside a completion, its
-    stop token and pads are no step: the trainer (process_rewards.step_ends), a local PRM judge and this server all
-    read the steps of this text, so they count the same steps."""
+    """What the step contract reads of a completion decoded with its special tokens (as a /get_reward query carries
+    it): every special token's text removed, so a BOS or EOS inside it, its stop token and pads are no step. The
+    trainer (process_rewards.step_ends), a local PRM judge and this server all read this text: the same steps."""
     specials = set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()
                                                     if t.special}
     for token in sorted(specials, key=len, reverse=True):  # "<|im_end|>" before a shorter token inside it
@@ -149,9 +132,8 @@ def completion_text(text, tokenizer):
 
 
 def with_placeholders(text, separator, placeholder):
-    """A solution written as prm.py's data has it: the placeholder after every step ("07+45=52 ки\n..."). One the
-    text holds already (a policy may write it) is dropped, as it would read as one more step end; the steps are
-    still those of the text as written."""
+    """A solution as prm.py's data has it: the placeholder after every step ("07+45=52 ки\n..."). One the text holds
+    already (a policy may write it) is dropped (it would read as one more step end); the steps stay the text's own."""
     steps, pieces = steps_of(text, separator)
     pieces = [p.replace(placeholder, "") for p in pieces]
     for i in steps:
@@ -160,9 +142,8 @@ def with_placeholders(text, separator, placeholder):
 
 
 def check_saved(config, tokenizer, path):
-    """A saved PRM as a judge: its config names the placeholder and the two reward tokens (prm.py writes them; a
-    config with only their ids gets their text from the tokenizer), and its tokenizer still makes each of them one
-    token; else one line saying what is wrong."""
+    """A saved PRM as a judge: its config names the placeholder and two reward tokens (text from the tokenizer where
+    it has only their ids), each still one token of its tokenizer; else one line saying what is wrong."""
     if getattr(config, "placeholder_token_id", None) is None:
         common.fail(f"{path} has no placeholder_token_id in its config: not a prm.py model")
     if len(config.reward_token_ids) != 2 or len(set(config.reward_token_ids)) != 2:
@@ -200,11 +181,10 @@ def strip_ends(text, tokenizer):
 
 
 def prm_query(query, prompt, tokenizer, placeholder, separator):
-    """prm: an RL trainer's query, prompt + completion with its entry in "prompts", gets the placeholder after each
-    step of its completion (the text after the prompt), as prm.py's data has them, by the trainer's own rule
-    (completion_text: special tokens' text removed, the EOS and pads with it; a placeholder the policy wrote
-    dropped). A query without a prompt (none, or "") that holds placeholders is prm.py's own data form, scored as
-    sent; one without either is all completion but its leading BOS."""
+    """prm: an RL trainer's query (prompt + completion, its entry in "prompts") gets the placeholder after each step
+    of its completion, by the trainer's own rule (completion_text, with_placeholders). A query without a prompt
+    (none, or "") that holds placeholders is prm.py's data form, scored as sent; one without either is all
+    completion but its leading BOS."""
     if not prompt and placeholder in query:
         return query
     head = prompt if prompt and query.startswith(prompt) else ""
@@ -214,10 +194,9 @@ def prm_query(query, prompt, tokenizer, placeholder, separator):
 
 
 def tokenize(text, tokenizer, args):
-    """Token ids as scored: the text's own, no special token added (a BOS only where the text has one, as
-    OpenRLHF's serve_rm). seq_cls: the text without its end pads/eos (strip_ends), then the one EOS the reward
-    is read at (kept when truncating to --max_len). The other kinds: the text as is, truncated from the left,
-    keeping its end."""
+    """Token ids as scored, no special token added (a BOS only where the text has one, as OpenRLHF's serve_rm).
+    seq_cls: the text without its end pads/eos (strip_ends), then the one EOS the reward is read at (kept when
+    truncating to --max_len). The other kinds: the text as is, truncated from the left, keeping its end."""
     text = strip_ends(text, tokenizer) if args.rm_type == "seq_cls" else text
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if args.rm_type != "seq_cls":
@@ -229,8 +208,7 @@ def tokenize(text, tokenizer, args):
 @torch.no_grad()
 def step_probabilities(model, seqs, pad_id):
     """A saved PRM's judgement of token sequences (1-D tensors, one padded forward): for each, the probability of
-    the first reward token (good) at every placeholder, as prm.py's prm_loss trained it. The same scorer as
-    prm.py's (tests compare them)."""
+    the first reward token (good) at every placeholder, as prm.py's prm_loss trained it (a copy of prm.py's)."""
     cfg, device = model.config, next(model.parameters()).device
     ids, mask = pad_batch(list(seqs), pad_id)
     ids, mask = ids.to(device), mask.to(device)
@@ -242,19 +220,18 @@ def step_probabilities(model, seqs, pad_id):
 @torch.no_grad()
 def score_batch(model, batch, args, pad_id):
     """One padded forward over token-id lists -> a float per sequence (prm: a list of step probabilities)."""
+    seqs = [torch.tensor(b) for b in batch]
     if args.rm_type == "prm":  # P(good) at each placeholder
-        return step_probabilities(model, [torch.tensor(b) for b in batch], pad_id)
+        return step_probabilities(model, seqs, pad_id)
     device = next(model.parameters()).device
-    ids, mask = pad_batch([torch.tensor(b) for b in batch], pad_id)
-    ids, mask = ids.to(device), mask.to(device)
-    last = mask.sum(-1) - 1  # right padding: each sequence's last real token
+    ids, mask = (t.to(device) for t in pad_batch(seqs, pad_id))
     if args.rm_type == "seq_cls":
         rewards = model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
         return ((rewards - args.mean) / args.std).tolist()
-    if args.rm_type == "causal_lm_token":  # only the last tokens' columns reach the LM head, not all T of them
-        keep, col = torch.unique(last, return_inverse=True)  # a 1-D index: what every model's forward takes
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=keep).logits
-        return logits[torch.arange(len(batch)), col, args.reward_token_id].float().tolist()
+    # causal_lm_token: only each sequence's last real token (right padding) reaches the LM head, not all T of them
+    keep, col = torch.unique(mask.sum(-1) - 1, return_inverse=True)  # a 1-D index: what every model's forward takes
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=keep).logits
+    return logits[torch.arange(len(batch)), col, args.reward_token_id].float().tolist()
 
 
 def load(args):
@@ -276,9 +253,9 @@ def load(args):
 
 
 class Batcher:
-    """One worker thread owns the model. Jobs (a request's token-id lists and a future) are merged with
-    whatever else arrives within --max_wait_ms, sorted by length and run in batches of at most
-    --max_batch_tokens padded tokens; each future gets its results in its own order."""
+    """One worker thread owns the model. Jobs (a request's token-id lists and a future) are merged with whatever else
+    arrives within --max_wait_ms, run longest first in batches of at most --max_batch_tokens padded tokens; each
+    future gets its results in its own order."""
 
     def __init__(self, model, args, pad_id):
         self.model, self.args, self.pad_id = model, args, pad_id
@@ -339,8 +316,8 @@ async def request_texts(request: Request, args, state):
         return error(422, f"body: expected a JSON object, got {type(data).__name__}")
     try:
         req = RewardRequest.model_validate(data)
-    except ValidationError as e:
-        return error(422, field_errors(e))
+    except ValidationError as e:  # one line naming each field, e.g. "query.2: Input should be a valid string"
+        return error(422, "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()))
     n = len(req.query if req.query is not None else req.messages)
     if n > args.max_texts:
         return error(413, f"{n} texts, more than --max_texts {args.max_texts}")
@@ -402,9 +379,7 @@ def create_app(args):
 
     @app.get("/health")
     async def health():
-        if "batcher" not in state:
-            return error(503, "loading the model")
-        return {"status": "ok"}
+        return {"status": "ok"} if "batcher" in state else error(503, "loading the model")
 
     @app.get("/info")
     async def info():
@@ -417,13 +392,12 @@ def create_app(args):
         texts = await request_texts(request, args, state)
         if isinstance(texts, JSONResponse):
             return texts
-        tokenizer = state["tokenizer"]
         if args.log_requests:
             common.console.print(f"get_reward {json.dumps(texts)[:2000]}", markup=False)
         batcher = state["batcher"]
         batcher.in_flight += 1
         try:
-            results = await batcher.score([tokenize(t, tokenizer, args) for t in texts])
+            results = await batcher.score([tokenize(t, state["tokenizer"], args) for t in texts])
         finally:
             batcher.in_flight -= 1
         if args.rm_type != "prm":

@@ -323,6 +323,7 @@ DEFAULTS = {
 
 
 def main():
+    # 1. flags (the toy world's defaults without --dataset) and processes
     parser = add_training_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     parser.add_argument("--output_key", default="output")
     parser.add_argument("--multiturn", action="store_true", help="train on every assistant turn of `input`")
@@ -344,6 +345,7 @@ def main():
     common.init_distributed(args)
     start = time.time()
 
+    # 2. data: records -> (input ids, labels), prompt tokens masked
     tokenizer = common.load_tokenizer(args.pretrain, args)
     keys = [args.input_key] if args.multiturn or args.pretrain_mode else [args.input_key, args.output_key]
     hint = None if args.multiturn else "for chat conversations: --multiturn --apply_chat_template --input_key KEY"
@@ -359,6 +361,7 @@ def main():
     eval_records = common.load_records(args.eval_dataset, args.eval_split, keys, hint=hint) if args.eval_dataset else []
     eval_data = [s for s in (tokenize_sample(r, tokenizer, args) for r in eval_records) if s is not None]
 
+    # 3. model and DeepSpeed engine, resumed with --load_checkpoint
     cfg = ds_config(args)
     model = common.load_model(args.pretrain, args, tokenizer, cfg)
     enable_router_loss(model, args.aux_loss_coef)
@@ -367,6 +370,7 @@ def main():
     start_step, _ = common.load_checkpoint(engine, args)
     logger = common.Logger(args, total_steps, start_step)
 
+    # 4. train: one optimizer step per --train_batch_size samples; log, save, eval
     for step, epoch, micro_batches in train_batches(len(train), args, start_step):
         t0, tokens, losses = time.time(), 0, []
         for idx in micro_batches:
@@ -390,6 +394,7 @@ def main():
         if eval_data and common.due(args.eval_steps, step + 1, total_steps):
             logger.log(step + 1, evaluate(engine, eval_data, eval_records, tokenizer, args), prefix="eval")
 
+    # 5. the final eval, then save the model and its figures
     results = {"train_time_s": time.time() - start, "steps": total_steps}
     if eval_data:
         metrics = evaluate(engine, eval_data, eval_records, tokenizer, args)

@@ -5,7 +5,9 @@ independent references elsewhere (test_losses, test_families, test_prm, ...); he
 on the five tokenizer families of tests/families.py where tokens are involved."""
 import argparse
 import ast
+import json
 import os
+import re
 
 import pytest
 import torch
@@ -23,7 +25,7 @@ import process_rewards
 import rm
 import serve_rm
 import sft
-from conftest import ROOT
+from conftest import ROOT, RewardServer
 
 SCRIPTS = ("sft", "rm", "prm", "dpo", "online_dpo", "distill", "grpo", "ppo", "make_pairs", "serve_rm", "merge_lora")
 TRAINING = (sft, rm, prm, dpo, online_dpo, distill, grpo, ppo)
@@ -173,6 +175,35 @@ def test_distill_tokenizes_dataset_completions_as_sft(family_dirs, family):
                 assert (g.tolist() if torch.is_tensor(g) else g) == (w.tolist() if torch.is_tensor(w) else w), i
 
 
+@pytest.mark.parametrize("family", families.FAMILIES)
+def test_distill_dataset_rollout_is_what_sft_trains_on(family_dirs, family, tmp_path):
+    """distill.py's dataset_rollout (the off-policy share) from its own prompt records: each response is the tokens
+    sft.py's tokenize_sample trains on for that prompt and completion (its unmasked labels, through the stop token),
+    the first --generate_max_len of them (then not stopped), and follows the record's prompt ids as in sft.py's
+    sequence, so the losses read the tokens SFT would have trained on."""
+    from test_families import family_args
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"input": i, "output": o}) + "\n"
+                            for i, o in [("12+34=", "46"), ("Step 1: 7+5=", "12\nThe answer: 12"), ("x", " 99")]))
+    for chat in ([False, True] if family in CHAT else [False]):
+        for limit in (64, 3):  # 3 cuts the long completion
+            # distill.py's main reads the completion as each prompt record's label
+            args = family_args(family, apply_chat_template=chat, generate_max_len=limit, prompt_max_len=200,
+                               input_key="input", label_key="output", input_template=None, seed=42)
+            tok = common.load_tokenizer(family_dirs[family] / "model", args)
+            records = distill.load_prompts(str(data), "train", tok, args)
+            batch = distill.dataset_rollout(records, tok, args)
+            for i, r in enumerate(records):
+                ids, labels = sft.tokenize_sample({"input": r["input"], "output": r["label"]}, tok, args)
+                want = labels[labels != -100][:limit].tolist()
+                n = int(batch.lengths[i])
+                assert batch.responses[i, :n].tolist() == want, (chat, limit, i)
+                assert batch.stopped[i].item() == (want[-1] == tok.eos_token_id), (chat, limit, i)
+                assert ids[:len(r["ids"]) + n].tolist() == r["ids"].tolist() + want, (chat, limit, i)
+            assert batch.stopped.tolist()[:2] == [True, limit == 64], (chat, limit)
+
+
 def test_dpo_losses_are_the_same():
     """dpo.dpo_loss and online_dpo.dpo_loss: every loss type and label smoothing, values and gradients."""
     torch.manual_seed(0)
@@ -301,6 +332,62 @@ def test_rl_scripts_generate_the_same_tokens(family_dirs, family):
     assert [len(b) <= n for b, n in zip(budgeted, [3, 12, 5, 12, 1, 12])] == [True] * 6
 
 
+def greedy_reference(model, tok, prompt, max_new_tokens):
+    """Stock generate on one prompt, unpadded: greedy, told nothing by the checkpoint's generation config (Qwen's
+    repetition penalty, GPT-2's no-repeat n-grams, Mistral's max_length), cut after its first EOS."""
+    ids = prompt[None]
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                         max_length=None, repetition_penalty=1.0, no_repeat_ngram_size=0,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[0, len(prompt):].tolist()
+    return out[:out.index(tok.eos_token_id) + 1] if tok.eos_token_id in out else out
+
+
+@pytest.mark.parametrize("family", families.FAMILIES)
+def test_rl_scripts_hf_rollouts_are_the_same(family_dirs, family):
+    """Each RL script's HF rollout end to end, its HFEngine(args, model, tokenizer).sample(records, T) made a Rollout
+    by its Rollout.of, as its steps and its eval do: the same responses, lengths, stop flags and masks from every
+    script, greedy (= stock generate prompt by prompt, cut after the first EOS) and at temperature 1 with --top_p from
+    the same seed, a group's prompt repeated as a step samples it."""
+    from transformers import AutoModelForCausalLM
+
+    from test_families import family_args
+
+    budget = 8
+    args = family_args(family, apply_chat_template=False, generate_max_len=budget, top_p=0.9,
+                       micro_rollout_batch_size=4)
+    tok = common.load_tokenizer(family_dirs[family] / "model", args)
+    model = AutoModelForCausalLM.from_pretrained(family_dirs[family] / "model").eval()
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    records = [{"ids": torch.tensor(tok(t)["input_ids"]), "text": t, "label": None, "input": t}
+               for t in ["12+34=", "Step 1: 7+5", "x y", "Sure: 42."] for _ in range(2)]
+    with torch.no_grad():  # EOS a shade above a token the first prompt's greedy reply writes early: some replies stop
+        head = model.get_output_embeddings().weight  # (the tiny random models rarely pick EOS)
+        head[tok.eos_token_id] = head[greedy_reference(model, tok, records[0]["ids"], budget)[2]] * 1.05
+    runs = {}
+    for m in (grpo, ppo, online_dpo, distill):
+        engine, run = m.HFEngine(args, model, tok), []
+        for temperature in (0.0, 1.0):
+            torch.manual_seed(0)
+            batch = m.Rollout.of(records, tok.eos_token_id, **engine.sample(records, temperature))
+            if hasattr(batch, "action_mask"):  # online_dpo.py's Rollout has none
+                assert batch.action_mask.tolist() == (torch.arange(budget) < batch.lengths[:, None]).tolist()
+            run.append((batch.responses.tolist(), batch.lengths.tolist(), batch.stopped.tolist()))
+        runs[m.__name__] = run
+    for name, run in runs.items():
+        assert run == runs["grpo"], name
+    responses, lengths, stopped = runs["grpo"][0]
+    assert [r[:n] for r, n in zip(responses, lengths)] == [greedy_reference(model, tok, r["ids"], budget)
+                                                          for r in records[::2] for _ in range(2)]
+    assert stopped == [r[n - 1] == tok.eos_token_id for r, n in zip(responses, lengths)]
+    assert 0 < sum(stopped) < len(records) and max(lengths) == budget  # some stopped, some cut at the budget
+
+
+def named(out):
+    """A reward call's named result as plain lists, to compare."""
+    return {k: (v.tolist() if torch.is_tensor(v) else {n: t.tolist() for n, t in v.items()})
+            for k, v in out.items() if k in ("rewards", "scores", "logs")}
+
+
 def test_reward_calls_read_replies_and_fail_alike(tmp_path):
     """check_rewards of every copy: the same named result from every accepted reply shape, the same one-line error
     for every malformed one; a reward_func file read by each script's reward_client gives the same result."""
@@ -310,10 +397,6 @@ def test_reward_calls_read_replies_and_fail_alike(tmp_path):
     bad = [[1.0], [1.0, float("nan")], {"extra": 1}, {"rewards": [1, 2], "extra_logs": 5}, "text", [[1, 2], [3]],
            {"rewards": ["a", "b"]}]
     modules = rl_modules()
-
-    def named(out):
-        return {k: (v.tolist() if torch.is_tensor(v) else {n: t.tolist() for n, t in v.items()})
-                for k, v in out.items() if k in ("rewards", "scores", "logs")}
     for reply in replies:
         want = named(grpo.check_rewards(reply, 2, "src"))
         assert set(want) == {"rewards", "scores", "logs"}
@@ -336,6 +419,93 @@ def test_reward_calls_read_replies_and_fail_alike(tmp_path):
         assert result == results["grpo"], name
     assert results["grpo"]["rewards"] == [2.0, 5.0] and results["grpo"]["logs"] == {"label_given": [1.0, 0.0]}
 
+
+def remote_runs(timeout=5.0, retries=2, **server):
+    """remote_rewards of every copy (distill.py has none: its rewards come from a file) against one real server on
+    127.0.0.1, conftest.RewardServer(**server), each given the same small budget as arguments (the mains pass their
+    --remote_rm_* flags; make_pairs.py, which has none, the defaults) -> (what every copy gave: its named result or
+    its error, the seconds it took masked, and the requests it made; the server's URL)."""
+    queries, prompts, labels = ["12+34=46", "7+5=12</s>", "x"], ["12+34=", "7+5=", ""], ["46", "12", None]
+    server, runs = RewardServer(**server), {}
+    try:
+        for m in rl_modules():
+            if m.__name__ == "distill":
+                continue
+            server.requests.clear()  # fail_first counts from each copy's first request
+            try:
+                out = named(m.remote_rewards(server.url, queries, prompts, labels, batch_size=2, timeout=timeout,
+                                             retries=retries, backoff=0.05, retry_wait=1.0))
+            except SystemExit as e:
+                out = re.sub(r" in [\d.]+ s,", " in _ s,", str(e))
+            runs[m.__name__] = (out, list(server.requests))
+    finally:
+        server.close()
+    assert len(runs) == 4
+    for name, run in runs.items():
+        assert run == runs["grpo"], name
+    return runs["grpo"], server.url
+
+
+def test_remote_rewards_retry_alike():
+    """Two 503s, then answers: every copy retries and returns the server's rewards in order (len(query) each), from
+    the same requests: the first batch three times, then the second."""
+    (out, requests), _ = remote_runs(fail_first=2)
+    assert out == {"rewards": [8.0, 10.0, 1.0], "scores": [8.0, 10.0, 1.0], "logs": {}}
+    assert [r["query"] for r in requests] == [["12+34=46", "7+5=12</s>"]] * 3 + [["x"]]
+    assert requests[-1] == {"query": ["x"], "prompts": [""], "labels": [None]}
+
+
+def test_remote_rewards_refused_alike():
+    """A 422: every copy stops at its first request with the same one-line error naming the server and its reply."""
+    (error, requests), url = remote_runs(status=422)
+    assert error == f'error: reward server {url} refused the request (HTTP 422: {{"detail": "busy"}})'
+    assert len(requests) == 1
+
+
+def test_remote_rewards_timeout_alike():
+    """A server that never answers in time: every copy gives up after the same tries with the same one-line error."""
+    (error, requests), url = remote_runs(timeout=0.3, retries=1, hang=True)
+    assert error.startswith(f"error: reward server {url} failed 2 times in _ s, 0.05 s of it waiting between tries "
+                            "(--remote_rm_retries 1, --remote_rm_retry_wait 1); last error: ") and "Timeout" in error
+    assert "\n" not in error and len(requests) == 2
+
+
+@pytest.mark.parametrize("family", families.FAMILIES)
+def test_reward_texts_are_the_same(family_dirs, family, tmp_path):
+    """client_rewards of every RL script with a reward_func file that records what it gets: the same (query, prompt)
+    texts for the same (prompt ids, response ids), with and without the chat template: the query the pair's tokens
+    decoded together with the special tokens kept (a BOS, the template's markers, the EOS that ended a response),
+    the prompt its prefix."""
+    from test_families import family_args
+
+    log = tmp_path / "texts.json"
+    reward_file = tmp_path / "recording.py"
+    reward_file.write_text("import json\n"
+                           "def reward_func(queries, prompts, labels):\n"
+                           f"    open({str(log)!r}, 'w').write(json.dumps([queries, prompts, labels]))\n"
+                           "    return [float(len(q)) for q in queries]\n")
+    for chat in ([False, True] if family in CHAT else [False]):
+        args = family_args(family, apply_chat_template=chat, input_template=None)
+        tok = common.load_tokenizer(family_dirs[family] / "model", args)
+        prompt_ids = [tok(common.format_prompt(t, tok, args), add_special_tokens=not chat)["input_ids"]
+                      for t in ("12+34=", "Step 1: 7+5=", "x")]
+        eos = [tok.eos_token_id]
+        replies = [tok(t, add_special_tokens=False)["input_ids"] for t in ("46", "12\nThe answer: 12")]
+        responses = [replies[0] + eos, replies[1], eos]  # stopped, cut at the budget, EOS alone
+        pairs = [(torch.tensor(p), torch.tensor(r)) for p, r in zip(prompt_ids, responses)]
+        labels = ["46", None, "x"]
+        runs = {}
+        for m in rl_modules():
+            out = m.client_rewards(m.reward_client(str(reward_file)), pairs, labels, tok)
+            runs[m.__name__] = (json.loads(log.read_text()), out["rewards"].tolist())
+        for name, run in runs.items():
+            assert run == runs["grpo"], (name, chat)
+        (queries, prompts, got_labels), rewards = runs["grpo"]
+        assert queries == [tok.decode(p + r, skip_special_tokens=False) for p, r in zip(prompt_ids, responses)]
+        assert prompts == [tok.decode(p, skip_special_tokens=False) for p in prompt_ids]
+        assert all(q.startswith(p) for q, p in zip(queries, prompts)) and got_labels == labels
+        assert [q.endswith(tok.eos_token) for q in queries] == [True, False, True], chat
+        assert rewards == [float(len(q)) for q in queries]
 
 def test_rollout_flags_agree_where_scripts_share_them():
     """add_rollout_args of grpo.py, ppo.py, online_dpo.py and distill.py: each flag two of them take has the same

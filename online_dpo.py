@@ -1,6 +1,6 @@
 """Online DPO: each step samples two completions of every prompt from the current policy, ranks them by a reward
 model or function, and takes a DPO step on (higher, lower) against a frozen reference (open-instruct's online DPO,
-TRL's OnlineDPOTrainer). The loss and update are copies of dpo.py's, the rollout of grpo.py's (tests compare them).
+TRL's OnlineDPOTrainer). The DPO loss is a copy of dpo.py's, the rollout of grpo.py's (tests compare them).
 
     python online_dpo.py --pretrain runs/sft_short --reward_pretrain runs/rm      # toy world, judged by an RM
     deepspeed --num_gpus 8 online_dpo.py --pretrain ckpt/sft --dataset prompts.jsonl --input_key prompt \\

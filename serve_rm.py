@@ -33,7 +33,7 @@ Reward kinds (--rm_type):
 
 What is scored (seq_cls), so that rm.py's models score as trained and OpenRLHF's trainer gets what OpenRLHF's own
 serve_rm (0.11) gives it: the query as sent, no special token added (a BOS only if its text has one: trainers send
-sequences decoded with their special tokens), its end pads/eos dropped and one EOS appended (tokenize); 'messages'
+sequences decoded with their special tokens), pads/eos at either end dropped and one EOS appended (tokenize); 'messages'
 rendered with the chat template first, exactly as rm.py tokenizes a conversation. One difference from OpenRLHF: a
 response cut at the length limit (no EOS) is read at an appended EOS, not at its last token, the only token a
 reward model trained on EOS-terminated pairs has learnt to score. The other kinds score the text as sent.

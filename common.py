@@ -9,6 +9,7 @@ DeepSpeed's accelerator on a machine without CUDA, which must precede DeepSpeed'
 import argparse
 import contextlib
 import ctypes
+import functools
 import html
 import io
 import json
@@ -380,6 +381,10 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
     global _hf_ds_config
     check_model_path(path)
     zero3 = ds_cfg is not None and ds_cfg["zero_optimization"]["stage"] == 3
+    if zero3 and getattr(args, "torch_compile", False):
+        # tried on CPU: dynamo traces ZeRO-3's gather hooks on every submodule, recompiles until its limit, warns
+        fail("--torch_compile does not combine with --zero_stage 3 (the compiler re-traces ZeRO-3's parameter "
+             "gathering hooks in every layer until it gives up): use --zero_stage 2")
     if zero3:
         _hf_ds_config = transformers.integrations.HfDeepSpeedConfig(ds_cfg)
     attention, packing_samples = "sdpa", getattr(args, "packing_samples", False)
@@ -409,6 +414,8 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
         model.config.eos_token_id = tokenizer.eos_token_id
     if getattr(args, "use_liger_kernel", False):  # serve_rm has no such flag
         use_liger_kernel(model)
+    if trainable and getattr(args, "torch_compile", False):  # (frozen models stay eager: dynamo's budget of
+        compile_layers(model)                                  # graphs per function is shared by every model)
     if trainable and args.lora_rank:
         import lora
         model = lora.add_adapters(model, args)
@@ -440,12 +447,41 @@ def check_flash_attn(bf16):
 
 
 def use_liger_kernel(model):
-    """--use_liger_kernel: Liger's Triton kernels patched into the model."""
-    try:
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-    except ImportError:
-        fail("--use_liger_kernel needs the liger-kernel package (Triton kernels, GPU): pip install liger-kernel")
-    _apply_liger_kernel_to_instance(model=model)
+    """--use_liger_kernel: Liger's RMSNorm, SwiGLU and rotary kernels patched into the model. Not its (fused linear)
+    cross-entropy: our losses read the final hidden states (forward_hidden) and make logits a chunk at a time. Its
+    rotary kernel only applies the cos/sin the model computed from position_ids, one row per token: packed rows,
+    whose positions restart per sequence, stay right."""
+    import importlib.util
+
+    missing = [what for what, here in (("the liger-kernel package", importlib.util.find_spec("liger_kernel")),
+                                       ("Triton", importlib.util.find_spec("triton")),
+                                       ("a CUDA GPU", torch.cuda.is_available())) if not here]
+    if missing:
+        fail(f"--use_liger_kernel: this machine lacks {', '.join(missing)} (Liger's kernels are Triton's, for CUDA "
+             "GPUs; make venv-gpu installs liger-kernel, and the CUDA torch brings Triton)")
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:  # Liger would only log it and patch nothing
+        fail(f"--use_liger_kernel: liger-kernel has no kernels for {model.config.model_type} models")
+    _apply_liger_kernel_to_instance(model=model, rms_norm=True, swiglu=True, rope=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+
+
+def compile_layers(model):
+    """--torch_compile: each decoder layer compiled (dynamic shapes: one graph serves every layer and every row
+    length, padded or packed); embeddings and our chunked losses stay eager. packed_sdpa reads a packed row's pieces
+    on the host: the graph breaks there and that part runs as it is. Forwards with a KV cache (generate) run eager:
+    its per-layer state costs a graph per layer and step, and once dynamo's 8 compiles per function are spent, the
+    training forwards would run eager too."""
+    layers = [m for m in model.get_decoder().modules()
+              if isinstance(m, transformers.modeling_layers.GradientCheckpointingLayer)]  # every family's decoder layer
+    if not layers:
+        fail(f"--torch_compile: {type(model).__name__} has no transformers decoder layers to compile (remote code?)")
+    for layer in layers:
+        eager, compiled = layer.forward, torch.compile(layer.forward, dynamic=True)
+        layer.forward = lambda *args, eager=eager, compiled=compiled, **kwargs: (
+            eager if kwargs.get("past_key_values") is not None else compiled)(*args, **kwargs)
 
 
 def disable_dropout(model):
@@ -638,18 +674,6 @@ def response_inputs(model, batch, pad_id, packing, share_prompts=False):
     return inputs, (rows.to(device), cols.to(device))
 
 
-def response_logits_to_keep(inputs, where):
-    """response_inputs' (inputs, where) -> (logits_to_keep, where in the kept logits): only the positions that
-    predict a response token reach the LM head (their logits are most of a log-prob pass's memory). A 1-D index,
-    which every model's `hidden_states[:, keep]` takes (Liger's and remote code too): packed, the columns themselves;
-    padded, the columns from the earliest response on."""
-    rows, cols = where
-    if inputs["input_ids"].size(0) == 1:
-        return cols, (rows, torch.arange(len(cols), device=cols.device))
-    first = cols.min()
-    return torch.arange(first, inputs["input_ids"].size(1), device=cols.device), (rows, cols - first)
-
-
 def masked_mean(x, mask, dim=None):
     """Mean of x over the entries where mask is true (over all of them, or along `dim`)."""
     mask = mask.to(x.dtype)
@@ -687,7 +711,136 @@ def approx_kl(logprobs, ref_logprobs, estimator="k1"):
     raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3")
 
 
-LOGPROB_CHUNK = 1024  # logit rows upcast to fp32 at a time: 0.6 GB for a 152k vocabulary
+def forward_hidden(model, inputs):
+    """model(**inputs) without its logits -> (the final hidden states [B, T, H] its output layer reads, the forward's
+    output: its MoE router loss). The decoder's output is caught by a hook and the output layer gets no position
+    (logits_to_keep=[]), so all the model's own forward still runs (ZeRO-3's gathers, LoRA, Liger, the router loss).
+    A model's first call keeps its last position's logits, to check output_layer against them."""
+    inner, caught = unwrap(model), []
+    first = not getattr(inner, "_output_layer_checked", False)
+    hook = inner.get_decoder().register_forward_hook(lambda module, args, out: caught.append(out[0]))
+    try:
+        out = model(**{**inputs, "use_cache": False},  # no KV cache: a loss's forward (packed rows need it so)
+                    logits_to_keep=1 if first else torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device))
+    finally:
+        hook.remove()
+    if first:
+        check_output_layer(model, inner, caught[0][:, -1:], out.logits)
+    return caught[0], out
+
+
+def check_output_layer(model, inner, hidden, logits):
+    """Once per model (on every rank alike): its own logits are output_layer's of the hidden states forward_hidden
+    catches. A family that scales its logits some way output_layer does not know, or remote code whose decoder output
+    is not what its output layer reads, stops here in one line instead of training on wrong numbers."""
+    with torch.no_grad():
+        got = output_layer(model)(hidden).float()
+    if got.shape != logits.shape or not torch.allclose(got, logits.detach().float(), rtol=1e-3, atol=1e-3):
+        fail(f"{type(inner).__name__}: its logits are not its output layer applied to its decoder's last hidden state "
+             "(it scales or caps them in a way common.output_layer does not know): the chunked losses cannot read it")
+    inner._output_layer_checked = True
+
+
+def unwrap(model):
+    """The transformers model inside a DeepSpeed engine and/or a PEFT wrapper."""
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def output_layer(model):
+    """hidden states [..., H] -> logits [..., V] as the model's own forward makes them: its output layer (a module
+    call, so ZeRO-3 gathers it and LoRA applies), then the scaling or soft-capping some families add (Granite, Cohere,
+    Gemma 2/3)."""
+    inner = unwrap(model)
+    head, cfg = inner.get_output_embeddings(), inner.config.get_text_config()
+    divide, scale, cap = (getattr(cfg, k, None) for k in ("logits_scaling", "logit_scale", "final_logit_softcapping"))
+
+    params = list(head.parameters())
+    if params and all(hasattr(p, "ds_id") and not p.requires_grad for p in params):
+        # frozen under ZeRO-3 (LoRA): backward's recompute of a chunk (chunked) would find it released (ZeRO-3
+        # gathers in backward what needs a gradient), so a gathered copy, [V, H], serves this loss
+        with deepspeed.zero.GatheredParameters(params):
+            weight, bias = (None if w is None else w.detach().clone() for w in (head.weight, head.bias))
+        head = functools.partial(torch.nn.functional.linear, weight=weight, bias=bias)
+
+    def logits(hidden):
+        x = head(hidden)
+        x = x / divide if divide else x
+        x = x * scale if scale else x
+        return torch.tanh(x / cap) * cap if cap else x
+    return logits
+
+
+LOGPROB_CHUNK = 1024  # tokens whose logits exist at once: [1024, V], 0.6 GB in fp32 at a 152k vocabulary
+
+
+def chunked(model, fn, *rows):
+    """fn(*chunk) over LOGPROB_CHUNK rows of each of `rows` at a time -> its outputs, each concatenated (None stays
+    None). fn makes a chunk's logits from hidden states and reduces them; with a graph each chunk runs under
+    checkpoint, so backward makes its logits again and autograd keeps none: the [tokens, V] logits never exist (and
+    whatever changes the model, an adapter switch or a device move, must last until after backward).
+    Under ZeRO-3 each call of `model`'s output layer gathers it by a collective, so every rank makes as many calls:
+    a rank with fewer chunks than another runs empty ones."""
+    chunks = list(zip(*(r.split(LOGPROB_CHUNK) for r in rows)))
+    if any(hasattr(p, "ds_id") for p in unwrap(model).get_output_embeddings().parameters()):  # ZeRO-3 partitioned
+        chunks += [tuple(r[:0] for r in rows)] * (int(all_reduce_max([len(chunks)])[0]) - len(chunks))
+    outs = [checkpoint(fn, *chunk, use_reentrant=False) if torch.is_grad_enabled() else fn(*chunk) for chunk in chunks]
+    return [None if o[0] is None else torch.cat(o) for o in zip(*outs)]
+
+
+def token_logprobs(model, hidden, tokens, temperature=1.0, with_entropy=False, entropy_grad=True):
+    """log pi(token | hidden) at `temperature` of each of `tokens` [N], from the final hidden states [N, H] that
+    predict them -> (logprobs [N], entropy [N] or None), through the output layer a chunk at a time (chunked)."""
+    logits = output_layer(model)
+    return chunked(model, lambda h, t: chunk_logprobs(logits(h), t, temperature, with_entropy, entropy_grad),
+                   hidden, tokens)
+
+
+def token_nll_sum(model, hidden, tokens):
+    """-sum of log pi(token | hidden) over `tokens` [N] (SFT's loss before its mean), from the final hidden states
+    [N, H]: fused (LinearNLL) where the output layer is a plain matrix (not ZeRO-3 partitioned, no LoRA, bias or logit
+    scaling on it), else through token_logprobs (each chunk's logits made again in backward)."""
+    inner = unwrap(model)
+    head, cfg = inner.get_output_embeddings(), inner.config.get_text_config()
+    fused = type(head) is torch.nn.Linear and head.bias is None and not hasattr(head.weight, "ds_id") and not any(
+        getattr(cfg, k, None) for k in ("logits_scaling", "logit_scale", "final_logit_softcapping"))
+    if fused and torch.is_grad_enabled() and hidden.requires_grad:  # (an eval needs no gradients)
+        return LinearNLL.apply(hidden, head.weight, tokens)
+    logprobs, _ = token_logprobs(model, hidden, tokens)
+    return -logprobs.sum()
+
+
+class LinearNLL(torch.autograd.Function):
+    """-sum_i log softmax(hidden_i W^T)[token_i] with its gradient taken in the same pass, LOGPROB_CHUNK tokens at a
+    time (the fused linear cross-entropy of Liger Kernel and TRL, written for this): the loss ends the graph, so
+    backward only scales the gradients kept from forward. One output-layer matmul fewer than making each chunk's
+    logits again in backward, and no logits kept; the softmax in fp32 at least."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens):
+        loss = hidden.new_zeros((), dtype=torch.promote_types(weight.dtype, torch.float32))
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # None: a frozen head (LoRA)
+        chunks = zip(hidden.split(LOGPROB_CHUNK), tokens.split(LOGPROB_CHUNK), grad_hidden.split(LOGPROB_CHUNK))
+        for h, t, gh in chunks:
+            x = (h @ weight.T).to(loss.dtype)  # [C, V]: the only logits there are
+            lse = x.logsumexp(-1)
+            rows = torch.arange(len(t), device=t.device)
+            loss += (lse - x[rows, t]).sum()
+            grad = x.sub_(lse[:, None]).exp_()  # d/dx of -log softmax(x)[t] = softmax(x) - onehot(t), in place
+            grad[rows, t] -= 1
+            grad = grad.to(h.dtype)
+            gh.copy_(grad @ weight)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.T, h)  # in the weight's dtype per chunk, as Liger's
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = lambda g: None if g is None else g * grad_loss.to(g.dtype)  # noqa: E731
+        return scale(grad_hidden), scale(grad_weight), None
 
 
 def response_logprobs(model, batch, pad_id, packing, temperature=1.0, per_token=True, with_entropy=False,
@@ -697,17 +850,10 @@ def response_logprobs(model, batch, pad_id, packing, temperature=1.0, per_token=
     their sum per response [B]; entropy [B, R] or None (differentiable, the bonus; entropy_grad=False: a metric,
     without a graph); the forward's MoE router loss, None unless --aux_loss_coef turned it on)."""
     inputs, where = response_inputs(model, batch, pad_id, packing, share_prompts=share_prompts)
-    keep, where = response_logits_to_keep(inputs, where)
-    out = model(**inputs, logits_to_keep=keep)
-    logits = out.logits[where]  # [sum R, V]: the logits one position before each response token, which predicted it
-    tokens, lengths = torch.cat([r for _, r in batch]).to(logits.device), [len(r) for _, r in batch]
-    chunks = []  # LOGPROB_CHUNK rows at a time; with a graph each chunk is recomputed in backward (checkpoint), so
-    for x, t in zip(logits.split(LOGPROB_CHUNK), tokens.split(LOGPROB_CHUNK)):  # autograd keeps the logits only
-        chunks.append(checkpoint(chunk_logprobs, x, t, temperature, with_entropy, entropy_grad, use_reentrant=False)
-                      if x.requires_grad else chunk_logprobs(x, t, temperature, with_entropy, entropy_grad))
-    logp = torch.cat([c[0] for c in chunks])  # [sum R]
-    entropy = pad_sequence(torch.cat([c[1] for c in chunks]).split(lengths), batch_first=True) if with_entropy \
-        else None
+    hidden, out = forward_hidden(model, inputs)
+    tokens, lengths = torch.cat([r for _, r in batch]).to(hidden.device), [len(r) for _, r in batch]
+    logp, entropy = token_logprobs(model, hidden[where], tokens, temperature, with_entropy, entropy_grad)  # [sum R]
+    entropy = pad_sequence(entropy.split(lengths), batch_first=True) if with_entropy else None
     if per_token:
         return pad_sequence(logp.split(lengths), batch_first=True), entropy, getattr(out, "aux_loss", None)
     sequence = torch.repeat_interleave(torch.arange(len(batch), device=logp.device),
@@ -716,9 +862,10 @@ def response_logprobs(model, batch, pad_id, packing, temperature=1.0, per_token=
 
 
 def chunk_logprobs(logits, tokens, temperature, with_entropy, entropy_grad):
-    """response_logprobs of one chunk: the token's logit minus the logsumexp (no log-softmax over the whole
+    """token_logprobs of one chunk: the token's logit minus the logsumexp (no log-softmax over the whole
     vocabulary), in fp32 at least (a float64 model, as the tests run, stays exact)."""
-    x = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    x = x / temperature if temperature != 1 else x  # (a whole pass over the chunk, forward and backward)
     lse = x.logsumexp(-1)
     logp = x.gather(-1, tokens[:, None]).squeeze(-1) - lse
     if not with_entropy:

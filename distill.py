@@ -26,9 +26,9 @@ written with the mixture's log-probs by logsumexp and its two ends special-cased
 to the KLs), the loss a mean over every completion token of the micro-batch (token-mean, as TRL's), the dataset's
 completions tokenized as sft.py trains them (dataset_rollout), the on-policy coin seeded alike on every rank (all
 ranks take the same branch, as ZeRO-3's generation needs, and a resumed run the uninterrupted one's), the gkd
-teacher read per micro-batch (the [tokens, V] logits of its completions, never the whole batch's at once: several
-fp32 copies of them are the step's peak memory; with --teacher_offload below ZeRO-3 the teacher moves to the
-accelerator for each micro-batch, memory bought with time), both models' logits cut to the tokenizer's vocabulary.
+teacher read per micro-batch, both models' logits made from their hidden states a chunk of tokens at a time and cut
+to the tokenizer's vocabulary (gkd_loss: no [tokens, V] logits; with --teacher_offload below ZeRO-3 the teacher moves
+to the accelerator for each micro-batch, its forward and the student's backward, memory bought with time).
 """
 
 import argparse
@@ -85,13 +85,31 @@ def sampled_kl_loss(logprobs, old_logprobs, teacher_logprobs, action_mask, eps_c
     return common.masked_mean(torch.where(action_mask.bool(), loss, 0.0), action_mask)
 
 
-def response_logits(model, pairs, pad_id, packing, vocab):
-    """The next-token logits at every completion token's position, the completions one after another: [sum R, vocab].
-    Cut to the tokenizer's `vocab`: a checkpoint pads its embedding rows to its own multiple (Qwen2.5's 0.5B has
-    151,936, its 7B 152,064), and rows no token maps to are not part of either distribution."""
-    inputs, where = common.response_inputs(model, pairs, pad_id, packing)
-    keep, where = common.response_logits_to_keep(inputs, where)
-    return model(**inputs, logits_to_keep=keep).logits[where][:, :vocab]
+def gkd_loss(student, teacher, pairs, pad_id, packing, vocab, beta, temperature):
+    """generalized_jsd_loss of every completion token of `pairs`, their mean, from both models' final hidden states:
+    their logits a chunk of tokens at a time (common.chunked; the teacher's without a graph), so neither model's
+    [sum R, V] logits exist -> (loss, the student's and the teacher's log-probs of the tokens [sum R], the teacher's
+    forward in seconds). Logits are cut to the tokenizer's `vocab`: a checkpoint pads its embedding rows to its own
+    multiple (Qwen2.5's 0.5B has 151,936, its 7B 152,064); rows no token maps to are in neither distribution."""
+    inputs, where = common.response_inputs(student, pairs, pad_id, packing)
+    hidden, _ = common.forward_hidden(student, inputs)
+    t = time.time()
+    with torch.no_grad():
+        teacher_hidden, _ = common.forward_hidden(teacher, inputs)
+    hidden, teacher_hidden, teacher_s = hidden[where], teacher_hidden[where].to(hidden.device), time.time() - t
+    student_logits, teacher_logits = common.output_layer(student), common.output_layer(teacher)
+
+    def chunk(h, teacher_h, y):  # -> (the chunk's loss sum [1], its two log-probs [C])
+        s = student_logits(h)[:, :vocab]
+        with torch.no_grad():
+            t = teacher_logits(teacher_h)[:, :vocab]
+        logp_s, _ = common.chunk_logprobs(s.detach(), y, temperature, False, False)
+        logp_t, _ = common.chunk_logprobs(t, y, temperature, False, False)
+        total = generalized_jsd_loss(s, t, beta, temperature) * len(y) if len(y) else s.sum()  # (ZeRO-3's padding)
+        return total[None], logp_s, logp_t
+    tokens = torch.cat([r for _, r in pairs]).to(hidden.device)
+    sums, logp_s, logp_t = common.chunked(student, chunk, hidden, teacher_hidden, tokens)
+    return sums.sum() / len(tokens), logp_s, logp_t, teacher_s
 
 
 # ------------------------------------------------------------------------------------------- rollout
@@ -469,6 +487,7 @@ def add_training_args(p: argparse.ArgumentParser):
     a("--flash_attn", action="store_true", help="flash_attention_2 (needs the flash-attn package, GPU)")
     a("--gradient_checkpointing", action="store_true")
     a("--use_liger_kernel", action="store_true", help="Liger's Triton kernels (needs liger-kernel and a GPU)")
+    a("--torch_compile", action="store_true", help="torch.compile each decoder layer (dynamic shapes)")
     a("--trust_remote_code", action="store_true", help="run model code from the checkpoint (off by default)")
     # DeepSpeed
     a("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
@@ -652,17 +671,12 @@ def main():
         for _ in range(args.max_epochs):
             for mb in torch.randperm(len(batch.records)).split(args.micro_train_batch_size):
                 pairs = batch.pairs(mb)
-                if args.loss_type == "gkd":
-                    logits = response_logits(student, pairs, pad_id, args.packing_samples, vocab)  # [sum R, V]
-                    t_teacher = time.time()
-                    with torch.no_grad(), common.on_accelerator(teacher, offloaded) as model:
-                        teacher_logits = response_logits(model, pairs, pad_id, args.packing_samples, vocab)
-                    teacher_logits = teacher_logits.to(logits.device)
-                    teacher_s += time.time() - t_teacher
-                    loss = generalized_jsd_loss(logits, teacher_logits, args.beta, args.temperature)  # token mean
-                    tokens = torch.cat([r for _, r in pairs]).to(logits.device)
-                    lp_s, _ = common.chunk_logprobs(logits.detach(), tokens, args.temperature, False, False)
-                    lp_t, _ = common.chunk_logprobs(teacher_logits, tokens, args.temperature, False, False)
+                if args.loss_type == "gkd":  # the teacher stays through backward: it makes its chunks' logits again
+                    with common.on_accelerator(teacher, offloaded) as model:
+                        loss, lp_s, lp_t, seconds = gkd_loss(student, model, pairs, pad_id, args.packing_samples, vocab,
+                                                             args.beta, args.temperature)  # token mean
+                        student.backward(loss)
+                    teacher_s += seconds
                 else:
                     logprobs, _, _ = common.response_logprobs(student, pairs, pad_id, args.packing_samples,
                                                               args.temperature)  # [b, T]
@@ -671,7 +685,7 @@ def main():
                     lp_t, old = teacher_logprobs[mb, :T].to(device), old_logprobs[mb, :T].to(device)
                     loss = sampled_kl_loss(logprobs, old, lp_t, mask, args.eps_clip)
                     lp_s, lp_t = logprobs.detach()[mask.bool()], lp_t[mask.bool()]
-                student.backward(loss)
+                    student.backward(loss)
                 student.step()
                 stats["loss"].append(loss.item())
                 stats["student_logprob"].append(lp_s.detach().mean().item())

@@ -754,6 +754,7 @@ def add_training_args(p: argparse.ArgumentParser):
     a("--flash_attn", action="store_true", help="flash_attention_2 (needs the flash-attn package, GPU)")
     a("--gradient_checkpointing", action="store_true")
     a("--use_liger_kernel", action="store_true", help="Liger's Triton kernels (needs liger-kernel and a GPU)")
+    a("--torch_compile", action="store_true", help="torch.compile each decoder layer (dynamic shapes)")
     a("--trust_remote_code", action="store_true", help="run model code from the checkpoint (off by default)")
     # DeepSpeed
     a("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3])

@@ -7,9 +7,9 @@
 
 Data: `input` is the solution text with a placeholder token after every step; `label` is a list with one entry per
 placeholder: a reward token ("+" good, "-" bad; hard labels) or a float, the probability that the step is good (soft
-labels, e.g. from Monte-Carlo rollouts); or, as in raw Math-Shepherd rows, a string: the input with each placeholder
-replaced by its reward token. The loss is read only at the placeholders, over the reward tokens' logits: at a step's
-end the model predicts "+" or "-". Saved: a plain Hugging Face causal LM whose config names both kinds of token.
+labels, e.g. Monte-Carlo estimates); or, as in raw Math-Shepherd rows, a string: the input with each placeholder
+replaced by its reward token. The loss is read only at the placeholders, over the reward tokens' logits (a step's end
+predicts "+" or "-"). Saved: a plain Hugging Face causal LM whose config names both kinds of token.
 """
 
 import argparse
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
+from tokenizers import AddedToken
 
 import common
 import deepspeed  # after common, which names DeepSpeed's accelerator first (else it guesses, with a warning)
@@ -54,8 +55,6 @@ def setup_tokens(tokenizer, placeholder, reward_tokens):
     token wherever a step ends (after a space, a word or a newline); where the tokenizer would merge it with
     its neighbours (Qwen: " ки" is two tokens, neither of them "ки"), it is added to the vocabulary as a token
     of its own. Each reward token must be one token."""
-    from tokenizers import AddedToken
-
     def one_token_everywhere():
         ids = tokenizer(placeholder, add_special_tokens=False)["input_ids"]
         contexts = [f"x {placeholder}\ny", f"x{placeholder} y", f"1.\n{placeholder}", f"x  {placeholder}"]
@@ -127,16 +126,13 @@ def tokenize_sample(record, where, tokenizer, placeholder_id, reward_tokens, rew
     soft = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in values)
     bad = [x for x in values if not (0 <= x <= 1 if soft else x in reward_tokens)]
     if bad:
-        common.fail(f"{where}: label {bad[0]!r} is neither a reward token {reward_tokens} "
-                    f"nor a probability in [0, 1]")
+        common.fail(f"{where}: label {bad[0]!r} is neither a reward token {reward_tokens} nor a probability in [0, 1]")
     labels = torch.full(ids.shape, -100.0 if soft else -100, dtype=torch.float32 if soft else torch.long)
     labels[steps] = torch.tensor([float(x) if soft else reward_ids[reward_tokens.index(x)] for x in values],
                                  dtype=labels.dtype)
     if len(ids) > args.max_len:
         fitting = steps[steps < args.max_len]
-        if len(fitting) == 0:
-            return None
-        return ids[:fitting[-1] + 1], labels[:fitting[-1] + 1], True
+        return (ids[:fitting[-1] + 1], labels[:fitting[-1] + 1], True) if len(fitting) else None
     return ids, labels, False
 
 
@@ -236,11 +232,11 @@ def step_probabilities(model, seqs, pad_id):
     the first reward token (good) at every placeholder, as prm_loss trained it (serve_rm.py and process_rewards.py
     hold copies; tests compare them)."""
     cfg, device = model.config, next(model.parameters()).device
-    ids, mask, _ = batch_sequences(list(seqs), pad_id, False)
-    ids, mask = ids.to(device), mask.to(device)
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    probs = torch.softmax(logits[..., cfg.reward_token_ids].float(), -1)[..., 0]
-    return [probs[i][(ids[i] == cfg.placeholder_token_id) & mask[i].bool()].tolist() for i in range(len(seqs))]
+    ids, mask = (t.to(device) for t in batch_sequences(list(seqs), pad_id, False)[:2])
+    hidden, _ = common.forward_hidden(model, dict(input_ids=ids, attention_mask=mask))
+    at = (ids == cfg.placeholder_token_id) & mask.bool()  # the judged positions: logits there only, not [B, T, V]
+    probs = torch.softmax(common.output_layer(model)(hidden[at])[:, cfg.reward_token_ids].float(), -1)[:, 0]
+    return [p.tolist() for p in probs.split(at.sum(-1).tolist())]
 
 
 def score_steps(model, tokenizer, text):
@@ -258,19 +254,19 @@ def evaluate(engine, data, reward_ids, placeholder_id, pad_id, args):
     model.eval()
     steps = step_correct = solutions = solution_correct = loss_sum = 0.0
     for batch, real in eval_shard(data, args.micro_train_batch_size):
-        ids, mask, pos = batch_sequences([x for x, _ in batch], pad_id, False)
-        logits = model(input_ids=ids.to(engine.device), attention_mask=mask.to(engine.device),
-                       position_ids=pos.to(engine.device), use_cache=False).logits
-        for row, ((seq_ids, labels), keep) in enumerate(zip(batch, real)):
-            if not keep:  # a filler that keeps ZeRO-3 ranks in step
-                continue
-            row_logits = logits[row:row + 1, :len(seq_ids)]
-            loss, acc = prm_loss(row_logits, seq_ids[None].to(engine.device), labels[None].to(engine.device),
-                                 placeholder_id, reward_ids)
+        ids, mask, pos = (t.to(engine.device) for t in batch_sequences([x for x, _ in batch], pad_id, False))
+        hidden, _ = common.forward_hidden(model, dict(input_ids=ids, attention_mask=mask, position_ids=pos))
+        judged = common.output_layer(model)(hidden[(ids == placeholder_id) & mask.bool()])  # as in training
+        for (seq_ids, labels), keep in zip(batch, real):
             at = seq_ids == placeholder_id
             n = at.sum().item()
+            logits, judged = judged[:n], judged[n:]  # this sample's steps, [n, V]
+            if not keep:  # a filler that keeps ZeRO-3 ranks in step
+                continue
+            loss, acc = prm_loss(logits[None], seq_ids[at][None].to(engine.device), labels[at][None].to(engine.device),
+                                 placeholder_id, reward_ids)
             steps, step_correct, loss_sum = steps + n, step_correct + round(acc.item() * n), loss_sum + loss.item() * n
-            predicted_good = row_logits[0][at.to(engine.device)][:, reward_ids].argmax(-1) == 0
+            predicted_good = logits[:, reward_ids].argmax(-1) == 0
             truly_good = labels[at] > 0.5 if labels.is_floating_point() else labels[at] == reward_ids[0]
             solutions += 1
             solution_correct += bool(predicted_good.all()) == bool(truly_good.all())
@@ -382,6 +378,7 @@ def add_training_args(p: argparse.ArgumentParser):
     a("--flash_attn", action="store_true", help="flash_attention_2 (needs the flash-attn package, GPU)")
     a("--gradient_checkpointing", action="store_true")
     a("--use_liger_kernel", action="store_true", help="Liger's Triton kernels (needs liger-kernel and a GPU)")
+    a("--torch_compile", action="store_true", help="torch.compile each decoder layer (dynamic shapes)")
     a("--trust_remote_code", action="store_true", help="run model code from the checkpoint (off by default)")
     # DeepSpeed
     a("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
@@ -467,10 +464,13 @@ def main():
         for idx in micro_batches:
             ids, mask, pos = batch_sequences([train[i][0] for i in idx], tokenizer.pad_token_id, args.packing_samples)
             labels, _, _ = batch_sequences([train[i][1] for i in idx], -100, args.packing_samples)
-            out = engine(input_ids=ids.to(engine.device), position_ids=pos.to(engine.device),
-                         attention_mask=None if mask is None else mask.to(engine.device), use_cache=False)
-            loss, acc = prm_loss(out.logits, ids.to(engine.device), labels.to(engine.device), placeholder_id,
-                                 reward_ids)
+            hidden, out = common.forward_hidden(engine, dict(
+                input_ids=ids.to(engine.device), position_ids=pos.to(engine.device),
+                attention_mask=None if mask is None else mask.to(engine.device)))
+            at = ids == placeholder_id  # the judged positions: logits there only, [steps, V], not [B, T, V]
+            logits = common.output_layer(engine)(hidden[at.to(engine.device)])
+            loss, acc = prm_loss(logits[None], ids[at][None].to(engine.device), labels[at][None].to(engine.device),
+                                 placeholder_id, reward_ids)
             if args.aux_loss_coef:  # a mixture of experts' router load-balancing loss
                 loss = loss + args.aux_loss_coef * out.aux_loss
             engine.backward(loss)

@@ -212,9 +212,10 @@ def step_probabilities(model, seqs, pad_id):
     cfg, device = model.config, next(model.parameters()).device
     ids, mask = pad_batch(list(seqs), pad_id)
     ids, mask = ids.to(device), mask.to(device)
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    probs = torch.softmax(logits[..., cfg.reward_token_ids].float(), -1)[..., 0]
-    return [probs[i][(ids[i] == cfg.placeholder_token_id) & mask[i].bool()].tolist() for i in range(len(seqs))]
+    hidden, _ = common.forward_hidden(model, dict(input_ids=ids, attention_mask=mask))
+    at = (ids == cfg.placeholder_token_id) & mask.bool()  # the judged positions: logits there only, not [B, T, V]
+    probs = torch.softmax(common.output_layer(model)(hidden[at])[:, cfg.reward_token_ids].float(), -1)[:, 0]
+    return [p.tolist() for p in probs.split(at.sum(-1).tolist())]
 
 
 @torch.no_grad()

@@ -28,10 +28,19 @@ def sft_loss(logits, labels):
     logits [B, T, V]; labels [B, T] hold the token id where the loss applies (the response) and -100
     elsewhere (prompt, padding). Position t predicts token t+1, hence the shift. In a packed row the
     shift crosses sequence boundaries, which is harmless: every sequence starts with a -100 label.
+    The reference form (and public API): sft.py trains with sft_loss_chunked, the same number without the logits.
     """
     logits, targets = logits[:, :-1], labels[:, 1:]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logits: CE in fp32
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+
+
+def sft_loss_chunked(model, hidden, labels):
+    """sft_loss(model's logits, labels) without the [B, T, V] logits: the final hidden states [B, T, H] of the
+    positions that predict a label go through the output layer a chunk at a time (common.token_nll_sum)."""
+    targets = labels[:, 1:]
+    at = targets != -100
+    return common.token_nll_sum(model, hidden[:, :-1][at], targets[at]) / at.sum()
 
 
 def tokenize_sample(record, tokenizer, args):
@@ -161,11 +170,12 @@ def evaluate(engine, data, records, tokenizer, args):
         labels = [y if keep else torch.full_like(y, -100) for (_, y), keep in zip(batch, real)]
         ids, mask, pos = batch_sequences([x for x, _ in batch], tokenizer.pad_token_id, False)
         labels, _, _ = batch_sequences(labels, -100, False)
-        logits = model(input_ids=ids.to(engine.device), attention_mask=mask.to(engine.device),
-                       position_ids=pos.to(engine.device), use_cache=False).logits
-        n = (labels[:, 1:] != -100).sum().item()
-        loss_sum += sft_loss(logits, labels.to(engine.device)).item() * n if n else 0.0
-        tokens += n
+        ids, mask, pos = ids.to(engine.device), mask.to(engine.device), pos.to(engine.device)
+        hidden, _ = common.forward_hidden(model, dict(input_ids=ids, attention_mask=mask, position_ids=pos))
+        targets = labels[:, 1:].to(engine.device)
+        at = targets != -100  # on every rank, fillers too (ZeRO-3's gathers): their sum is 0
+        loss_sum += common.token_nll_sum(model, hidden[:, :-1][at], targets[at]).item()
+        tokens += at.sum().item()
     correct, total = 0, 0
     for batch, real in eval_shard(records[:max(args.eval_generate_samples, 0)], args.micro_train_batch_size):
         prompts = [tokenizer(common.format_prompt(r[args.input_key], tokenizer, args),
@@ -286,6 +296,7 @@ def add_training_args(p: argparse.ArgumentParser):
     a("--flash_attn", action="store_true", help="flash_attention_2 (needs the flash-attn package, GPU)")
     a("--gradient_checkpointing", action="store_true")
     a("--use_liger_kernel", action="store_true", help="Liger's Triton kernels (needs liger-kernel and a GPU)")
+    a("--torch_compile", action="store_true", help="torch.compile each decoder layer (dynamic shapes)")
     a("--trust_remote_code", action="store_true", help="run model code from the checkpoint (off by default)")
     # DeepSpeed
     a("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
@@ -376,10 +387,10 @@ def main():
         for idx in micro_batches:
             ids, mask, pos = batch_sequences([train[i][0] for i in idx], tokenizer.pad_token_id, args.packing_samples)
             labels, _, _ = batch_sequences([train[i][1] for i in idx], -100, args.packing_samples)
-            out = engine(input_ids=ids.to(engine.device), position_ids=pos.to(engine.device),
-                         attention_mask=None if mask is None else mask.to(engine.device),
-                         use_cache=False)  # use_cache=False keeps packed rows apart
-            loss = sft_loss(out.logits, labels.to(engine.device))
+            hidden, out = common.forward_hidden(engine, dict(
+                input_ids=ids.to(engine.device), position_ids=pos.to(engine.device),
+                attention_mask=None if mask is None else mask.to(engine.device)))
+            loss = sft_loss_chunked(engine, hidden, labels.to(engine.device))
             if args.aux_loss_coef:  # a mixture of experts' router load-balancing loss
                 loss = loss + args.aux_loss_coef * out.aux_loss
             engine.backward(loss)

@@ -2,7 +2,8 @@
 reference: each (prompt, response) run alone through the stock model (sdpa), log_softmax over the whole vocabulary
 at every position, each response token picked. Padded and packed (a group's prompt laid out once), prompts and
 responses of different lengths (an empty one too), a temperature, one chunk of rows or several: log-probs and
-entropies within 1e-6, their gradients as the reference's."""
+entropies within 1e-6, their gradients as the reference's; the output layer sees only the response positions, a
+chunk at a time."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -52,14 +53,13 @@ def test_response_logprobs_match_a_float64_reference(policy, batch, share_prompt
     assert chunk >= n_rows or chunk < n_rows // 2  # one chunk, or several (a partial last one)
     monkeypatch.setattr(common, "LOGPROB_CHUNK", chunk)
     model = float64_model(policy, "packed_sdpa" if packing else "sdpa")
-    head_rows = []  # only the positions that predict a response token reach the LM head
-    model.get_output_embeddings().register_forward_hook(lambda m, inp, out: head_rows.append(inp[0].numel()))
+    head_rows = []  # the output layer sees the response positions only, at most `chunk` of them at a time
+    model.get_output_embeddings().register_forward_hook(lambda m, inp, out: head_rows.append(inp[0].shape[:-1].numel()))
     logp, entropy, _ = common.response_logprobs(model, pairs, pad_id, packing, TEMPERATURE, with_entropy=True,
                                                 share_prompts=share_prompts)
-    # packed: exactly the response rows; padded: every row's columns from the earliest response on
-    total = max(len(p) + len(r) for p, r in pairs)
-    kept = n_rows if packing else len(pairs) * (total - min(len(p) - 1 for p, r in pairs if len(r)))
-    assert kept < len(pairs) * total and head_rows == [kept * model.config.hidden_size]
+    # (a model's first forward keeps each row's last position, to check output_layer against: once by it, once ours)
+    rows = 1 if packing else len(pairs)
+    assert head_rows == [rows, rows] + [min(chunk, n_rows - i) for i in range(0, n_rows, chunk)]
     mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(r), dtype=torch.bool) for _, r in pairs], batch_first=True)
     assert logp.shape == entropy.shape == mask.shape and not logp[~mask].any() and not entropy[~mask].any()
 

@@ -26,7 +26,7 @@ SCRIPTS = ("sft.py", "rm.py", "prm.py", "ppo.py", "grpo.py", "dpo.py", "online_d
 EVERYWHERE = ["--lora_rank", "--lora_alpha", "--lora_dropout", "--target_modules", "--load_in_4bit", "--dataset",
               "--dataset_probs", "--eval_dataset", "--max_samples", "--tokenizer_chat_template", "--learning_rate",
               "--adam_betas", "--l2", "--lr_scheduler", "--lr_warmup_ratio", "--max_norm", "--max_epochs",
-              "--overlap_comm", "--use_liger_kernel", "--logging_steps", "--eval_steps",
+              "--overlap_comm", "--use_liger_kernel", "--torch_compile", "--logging_steps", "--eval_steps",
               "--save_steps", "--use_tensorboard", "--use_wandb"]
 ONLY = {"--pretrain_mode": ("sft.py",),
         "--aux_loss_coef": ("sft.py", "prm.py", "ppo.py", "grpo.py", "dpo.py", "online_dpo.py"),
@@ -83,7 +83,9 @@ def test_help_lists_every_option_where_it_applies():
     ("sft.py", ["--pretrain_mode", "--apply_chat_template"], "does not combine with --apply_chat_template"),
     ("sft.py", ["--load_in_4bit"], "it trains only with LoRA adapters (--lora_rank)"),
     ("rm.py", ["--load_in_4bit", "--lora_rank", 8], "needs bitsandbytes on a CUDA GPU, and this machine has none"),
-    ("prm.py", ["--use_liger_kernel"], "--use_liger_kernel needs the liger-kernel package"),
+    ("prm.py", ["--use_liger_kernel"],
+     "--use_liger_kernel: this machine lacks the liger-kernel package, Triton, a CUDA GPU"),
+    ("sft.py", ["--torch_compile", "--zero_stage", 3], "--torch_compile does not combine with --zero_stage 3"),
     ("sft.py", ["--ds_tensor_parallel_size", 2], "unrecognized arguments: --ds_tensor_parallel_size"),
     ("ppo.py", ["--no-colocate"], "unrecognized arguments: --no-colocate"),
     ("rm.py", ["--adam_offload"], "--adam_offload moves the optimizer state to the CPU through ZeRO"),
@@ -125,6 +127,19 @@ def test_option_refused_with_a_clear_error(toy_world, tmp_path, script, flags, m
     proc = run(script, *flags, "--save_path", tmp_path / "out", check=False)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_liger_kernel_names_only_what_is_missing(monkeypatch):
+    """With the package and Triton made to look installed, --use_liger_kernel's one line names the GPU alone."""
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: find("json" if name in ("liger_kernel", "triton")
+                                                                         else name))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        common.use_liger_kernel(None)
+    assert str(stop.value).startswith("error: --use_liger_kernel: this machine lacks a CUDA GPU (")
 
 
 def lora_params(config, rank):

@@ -747,13 +747,17 @@ def unwrap(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+# what Granite, Cohere and Gemma 2/3 do to the output layer's logits (output_layer; token_nll_sum does not fuse them)
+LOGIT_SCALING = ("logits_scaling", "logit_scale", "final_logit_softcapping")
+
+
 def output_layer(model):
     """hidden states [..., H] -> logits [..., V] as the model's own forward makes them: its output layer (a module
     call, so ZeRO-3 gathers it and LoRA applies), then the scaling or soft-capping some families add (Granite, Cohere,
     Gemma 2/3)."""
     inner = unwrap(model)
     head, cfg = inner.get_output_embeddings(), inner.config.get_text_config()
-    divide, scale, cap = (getattr(cfg, k, None) for k in ("logits_scaling", "logit_scale", "final_logit_softcapping"))
+    divide, scale, cap = (getattr(cfg, k, None) for k in LOGIT_SCALING)
 
     params = list(head.parameters())
     if params and all(hasattr(p, "ds_id") and not p.requires_grad for p in params):
@@ -803,7 +807,7 @@ def token_nll_sum(model, hidden, tokens):
     inner = unwrap(model)
     head, cfg = inner.get_output_embeddings(), inner.config.get_text_config()
     fused = type(head) is torch.nn.Linear and head.bias is None and not hasattr(head.weight, "ds_id") and not any(
-        getattr(cfg, k, None) for k in ("logits_scaling", "logit_scale", "final_logit_softcapping"))
+        getattr(cfg, k, None) for k in LOGIT_SCALING)
     if fused and torch.is_grad_enabled() and hidden.requires_grad:  # (an eval needs no gradients)
         return LinearNLL.apply(hidden, head.weight, tokens)
     logprobs, _ = token_logprobs(model, hidden, tokens)

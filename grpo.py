@@ -261,12 +261,13 @@ class Rollout:
     logprobs: torch.Tensor = None  # [N, R] each sampled token's log-prob as the engine sampled it (vLLM; else None)
     version: int = None  # the trainer step whose weights sampled it (vLLM)
     agent_rewards: dict = None  # episodes: the agent's {"rewards": [N], "scores": [N], "logs": {name: [N]}}
+    episode: torch.Tensor = None  # [N] --agent_server: each sample's episode, which may give several; None: its own
     generate_s: float = 0.0  # seconds spent generating
     cursor: int = 0  # the prompt stream's position after these prompts (a checkpoint resumes there)
 
     @classmethod
     def of(cls, records, eos_id, responses, logprobs=None, version=None, action_mask=None, stopped=None,
-           agent_rewards=None):
+           agent_rewards=None, episode=None):
         """From an engine's 1-D tensors per sample (the one place a rollout is padded); `stopped` default: EOS last."""
         pad = lambda xs: pad_sequence(list(xs), batch_first=True)  # noqa: E731
         lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
@@ -275,12 +276,25 @@ class Rollout:
             torch.arange(padded.size(1))[None] < lengths[:, None]
         stopped = [len(r) > 0 and r[-1].item() == eos_id for r in responses] if stopped is None else stopped
         return cls(records, padded, lengths, mask, torch.tensor(stopped, dtype=torch.bool),
-                   pad(logprobs).float() if logprobs is not None else None, version, agent_rewards)
+                   pad(logprobs).float() if logprobs is not None else None, version, agent_rewards, episode)
 
     def pairs(self, idx=None):
         """(prompt ids, response ids) of samples `idx` (default: all), each response cut to its own length."""
         idx = range(len(self.records)) if idx is None else [int(i) for i in idx]
         return [(self.records[i]["ids"], self.responses[i, :self.lengths[i]]) for i in idx]
+
+    def per_episode(self, values):
+        """[N] per-sample values -> [episodes], each episode's mean over its samples (--agent_server)."""
+        if self.episode is None:
+            return values
+        count = torch.bincount(self.episode).to(values.dtype)
+        return values.new_zeros(len(count)).index_add(0, self.episode, values) / count
+
+    def micro_batches(self, size):
+        """Index slices of `size` samples in random order. --agent_server: as many as the episodes alone make, so
+        every rank steps DeepSpeed equally often whatever its episodes split into."""
+        order = torch.randperm(len(self.records))
+        return order.split(size) if self.episode is None else order.tensor_split(-(-len(self.episode.unique()) // size))
 
     @property
     def labels(self):
@@ -318,18 +332,23 @@ def taken(values, idx):
 
 def start_engine(args, model, tokenizer, version=0):
     """HFEngine, or with --vllm / --ray vLLM engines fed the policy's weights from trainer step `version` (engines.py);
-    --agent_func_path: episodes on it (agents.py). Each has sample(records, temperature) and sync(model, version)."""
+    --agent_func_path / --agent_server: episodes on it (agents.py / agent_server.py). Each has sample(records,
+    temperature) and sync(model, version)."""
     if args.vllm or args.ray:
         import engines
         engine = engines.start(args, model, tokenizer, version)
     else:
         engine = HFEngine(args, model, tokenizer)
+    # every rank must make the same sample() calls under ZeRO-3 generate, or on a tensor-parallel vLLM engine
+    in_step = args.vllm_tensor_parallel_size > 1 if args.vllm else \
+        not args.ray and args.zero_stage == 3 and dist.get_world_size() > 1
     if args.agent_func_path:
         import agents
-        # every rank must make the same sample() calls under ZeRO-3 generate, or on a tensor-parallel vLLM engine
-        in_step = args.vllm_tensor_parallel_size > 1 if args.vllm else \
-            not args.ray and args.zero_stage == 3 and dist.get_world_size() > 1
         engine = agents.AgentEngine(engine, args, tokenizer, in_step)
+    if args.agent_server:  # YOUR agent on the OpenAI chat API, through an endpoint this process serves
+        import agent_server
+        engine = agent_server.ChatAgentEngine(engine, args, tokenizer, in_step,
+                                              same_count=args.zero_stage == 3 and dist.get_world_size() > 1)
     return engine
 
 
@@ -577,7 +596,7 @@ def client_rewards(client, pairs, labels, tokenizer):
 def reward_fn(args, tokenizer, cfg, client):
     """The training reward, f(Rollout) -> {"rewards": [N], "scores": [N], "logs": {name: [N]}} (--process_rewards: also
     "step_rewards", "step_ends" [N, R]): the client's, --reward_pretrain's (rm_reward) or the agent's (episodes')."""
-    if args.agent_func_path:
+    if args.agent_func_path or args.agent_server:
         return lambda batch: batch.agent_rewards
     on_pairs = client and (lambda pairs, labels: client_rewards(client, pairs, labels, tokenizer))
     if args.process_rewards or args.reward_pretrain and is_prm(args.reward_pretrain, args):
@@ -696,7 +715,7 @@ def evaluate(eval_records, engine, per_sample, tokenizer, log_samples=0, n=1, te
     mine, real = common.rank_share(eval_records)  # fillers keep ZeRO-3 ranks in step (rank 0 has none)
     batch = sample_rollout(engine, [r for r in mine for _ in range(n)], temperature, tokenizer.eos_token_id)
     values, real = per_sample(batch), torch.tensor(real)
-    per_prompt = {k: v.reshape(-1, n)[real] for k, v in values.items()}
+    per_prompt = {k: batch.per_episode(v).reshape(-1, n)[real] for k, v in values.items()}
     if n > 1:  # a mean over prompts, not completions: all_reduce_means counts each name's own values
         per_prompt[f"pass@{n}"] = per_prompt[pass_key].max(-1).values
     samples = eval_samples(batch, values, tokenizer, log_samples) if dist.get_rank() == 0 else []
@@ -923,10 +942,13 @@ def add_rollout_args(p):
       help="train on per-step scores (step_rewards from the reward source; see process_rewards.py)")
     a("--agent_func_path", default=None,
       help="multi-turn episodes with an OpenRLHF agent file (AgentInstance/AgentExecutor), which gives the rewards")
+    a("--agent_server", default=None,
+      help="YOUR agent on the OpenAI chat API: a .py file with async def rollout(client, record) returning the reward, "
+           "run against an endpoint this process serves on 127.0.0.1 (agent_server.py)")
     a("--max_turns", type=ranged(int, 1), default=None,
-      help="with --agent_func_path: turns per episode (default: no limit)")
+      help="with --agent_func_path: turns per episode; --agent_server: model calls (default: no limit)")
     a("--agent_timeout", type=ranged(float, 0, lo_open=True), default=60.0,
-      help="seconds one reset() or step() call may take")
+      help="seconds one reset() or step() call may take; --agent_server: an episode outside model calls")
     a("--eval_n_samples_per_prompt", type=ranged(int, 1), default=1,
       help="eval completions per prompt (> 1: also pass@n)")
     a("--eval_temperature", type=ranged(float, 0), default=0.0, help="eval sampling temperature (0: greedy)")
@@ -935,13 +957,14 @@ def add_rollout_args(p):
 
 def check_one_reward(args):
     """Exactly one source of rewards (--process_rewards: a local PRM may come with an outcome one, --remote_rm_url)."""
-    sources = [args.remote_rm_url, args.reward_pretrain, args.agent_func_path]
-    if args.process_rewards and args.agent_func_path:
+    sources = [args.remote_rm_url, args.reward_pretrain, args.agent_func_path, args.agent_server]
+    if args.process_rewards and (args.agent_func_path or args.agent_server):
         fail("--process_rewards scores the steps of one completion; an agent's episodes are scored by the agent")
     if args.process_rewards and args.remote_rm_url and args.reward_pretrain:
         sources = sources[1:]  # the PRM judges the steps, --remote_rm_url the outcome (process_rewards.py)
     if sum(x is not None for x in sources) != 1:
-        fail("give exactly one reward: --remote_rm_url (URL or .py file), --reward_pretrain or --agent_func_path")
+        fail("give exactly one reward: --remote_rm_url (URL or .py file), --reward_pretrain, --agent_func_path or "
+             "--agent_server")
     if args.process_rewards and args.reward_pretrain and not is_prm(args.reward_pretrain, args):
         fail(f"--process_rewards: {args.reward_pretrain} is not a prm.py model (no placeholder_token_id in its "
              "config); a sequence classifier gives no step scores")
@@ -960,6 +983,9 @@ def check_rl_options(args):
     if args.agent_func_path:  # the file is read before any model loads: a broken one stops the run at once
         import agents
         agents.load_agent(args.agent_func_path)
+    if args.agent_server:  # the same for an OpenAI-client agent; the chat template renders its messages
+        import agent_server
+        agent_server.check_options(args)
     if args.async_steps and not args.ray:
         fail("--async_steps needs --ray: the next batch is generated while this process trains, which needs "
              "engines of their own (Ray actors); an in-process engine (--vllm) or HF generate shares the "
@@ -1006,7 +1032,7 @@ def parse_args():
     a("--aux_loss_coef", type=ranged(float, 0), default=0.0, help="MoE router load-balancing loss weight (policy)")
     a("--actor_learning_rate", dest="learning_rate", type=ranged(float, 0), help="same as --learning_rate")
     args = common.parse_args(parser, DEFAULTS)
-    if (args.reward_pretrain or args.agent_func_path) and args.remote_rm_url == TOY_REWARD:
+    if (args.reward_pretrain or args.agent_func_path or args.agent_server) and args.remote_rm_url == TOY_REWARD:
         args.remote_rm_url = None  # a reward model or an agent replaces the toy world's rule reward
     check_one_reward(args)
     if args.advantage_estimator == "rloo" and args.n_samples_per_prompt < 2:
@@ -1091,7 +1117,9 @@ def main():
 
         # 2. advantages: group statistics (--process_rewards: of the step scores, per token), the KL penalty when
         #    it is a reward, batch whitening (REINFORCE++)
-        advantages = group_advantages(rewards, n, args.advantage_estimator, std_norm=not args.no_advantage_std_norm)
+        advantages = batch.per_episode(rewards)  # --agent_server: an episode's samples share its advantage
+        advantages = group_advantages(advantages, n, args.advantage_estimator, std_norm=not args.no_advantage_std_norm)
+        advantages = advantages if batch.episode is None else advantages[batch.episode]
         if args.process_rewards:  # [N, R]; plus the outcome's only when a rule or server gives it beside the PRM
             outcome = args.remote_rm_url and args.reward_pretrain
             advantages = process_advantages(scored["step_rewards"], scored["step_ends"], n) + \
@@ -1108,7 +1136,7 @@ def main():
         actor.module.train()
         stats = {k: [] for k in ("policy_loss", "clip_frac", "entropy", "engine_logprob_gap", "rollout_corrected_frac")}
         for epoch in range(args.max_epochs):
-            for mb in torch.randperm(len(batch.records)).split(args.micro_train_batch_size):
+            for mb in batch.micro_batches(args.micro_train_batch_size):
                 engine_lp = batch.logprobs[mb] if batch.logprobs is not None else None
                 ref_lp = ref_logprobs[mb] if args.use_kl_loss and ref is not None else None  # GRPO's KL in the loss
                 mb_stats = actor_step(actor, batch.pairs(mb), None if on_policy else old_logprobs[mb], advantages[mb],
@@ -1135,7 +1163,7 @@ def main():
             stds={"reward": rewards})
         if args.async_steps:  # how many updates behind the trainer the weights that sampled the batch were
             out.update(engines.staleness(batch.version, step))
-        if args.agent_func_path:  # the longest episode (their mean turns are in the agent's logs)
+        if args.agent_func_path or args.agent_server:  # the longest episode (their mean turns: the agent's logs)
             import agents
             out.update(agents.turns_max(scored["logs"]["turns"]))
         out["lr"] = actor.get_lr()[0]

@@ -22,6 +22,8 @@ Layout of toy_world/:
     tool_{train,test}.jsonl     {"input": "07+x=", "label": "45"}        (the tool task's prompts: toy_agent.py knows x)
     tool_sft_{train,test}.jsonl {"input": "07+x=", "output": "?"} or a guess ("31"), and
                                 {"input": "07+x=?</s>\n07+45=", "output": "52"}  (its first and second turns)
+    plain_chat.jinja            a chat template writing the turns' contents one after another, each reply closed by
+                                EOS: the tool task's format, for toy_chat_agent.py (--agent_server)
 """
 
 import fcntl
@@ -36,7 +38,7 @@ import tempfile
 from pathlib import Path
 
 TOY_DIR = Path(os.environ.get("TOY_WORLD_DIR", Path(__file__).resolve().parent / "toy_world"))
-VERSION = "7"  # bump when the generator changes, so stale worlds get rebuilt (7: its weights no longer 0600)
+VERSION = "8"  # bump when the generator changes, so stale worlds get rebuilt (8: plain_chat.jinja)
 PLACEHOLDER = "ки"  # step marker for PRM data (Math-Shepherd's), one token in the toy tokenizer
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # the tokenizer's special tokens, in vocabulary order
 N_TEST = 500  # held-out prompts; the other 9,500 of the 10,000 "ab+cd=" prompts are for training
@@ -49,6 +51,9 @@ CHAT_TEMPLATE = (
     "{% else %}A:{{ m['content'] }}{{ eos_token }}\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
 )
+# toy_world/plain_chat.jinja: no markup, so chat messages render as the tool task's plain turns ("07+x=?</s>\n07+45=")
+PLAIN_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}"
+                       "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}")
 
 
 def build_tokenizer():
@@ -215,6 +220,7 @@ def ensure_toy_world(path=TOY_DIR):
         for name, records in build_datasets(random.Random(0)).items():
             with open(tmp / f"{name}.jsonl", "w") as f:
                 f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        (tmp / "plain_chat.jinja").write_text(PLAIN_CHAT_TEMPLATE)
         (tmp / "VERSION").write_text(VERSION)
         umask = os.umask(0)
         os.umask(umask)

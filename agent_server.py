@@ -34,6 +34,7 @@ import json
 import math
 import secrets
 import socket
+import ssl
 import threading
 import time
 import traceback
@@ -334,7 +335,7 @@ class ChatAgentEngine:
         self.engine, self.args, self.tokenizer, self.in_step, self.same_count = engine, args, tokenizer, in_step, \
             same_count
         self.rollout, self.warned, self.with_logprobs = load_rollout(args.agent_server), False, False
-        self.episodes, self.http, self.lock = {}, None, threading.Lock()
+        self.episodes, self.tls, self.lock = {}, ssl.create_default_context(), threading.Lock()
         self.endpoint = Endpoint(tokenizer, args.generate_max_len, args.max_turns, episodes=self.episodes)
         self.agents = asyncio.new_event_loop()  # the agents' own loop: a blocking agent does not block the endpoint
         threading.Thread(target=self.agents.run_forever, daemon=True).start()
@@ -367,15 +368,17 @@ class ChatAgentEngine:
 
     async def run(self, e):
         import openai
-        if self.http is None:  # one connection pool for every episode's client (a client of its own costs ~30 ms)
-            self.http = openai.DefaultAsyncHttpxClient()
+        # a connection pool of its own (one pool for all scans every connection for each request: quadratic), with
+        # one TLS context for all (making one costs ~30 ms)
+        http = openai.DefaultAsyncHttpxClient(verify=self.tls)
         client = openai.AsyncOpenAI(base_url=f"{self.endpoint.url}/episodes/{e.key}/v1", api_key="episode",
-                                    max_retries=0, timeout=None, http_client=self.http)
+                                    max_retries=0, timeout=None, http_client=http)
         try:
             e.result = await self.rollout(client, dict(e.record))
         except Exception as err:
             e.error = err
         finally:
+            await http.aclose()
             with self.endpoint.cond:
                 e.ended = True
                 self.endpoint.cond.notify_all()

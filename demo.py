@@ -29,8 +29,6 @@ Stages run as plain commands (shown as they start), each from the previous stage
                                                             the tool task's format: "07+x=" -> "?" (ask) or a guess
     python grpo.py --pretrain runs/sft_tool --agent_func_path toy_agent.py ... -> runs/grpo_tool
                                                             episodes: held-out greedy accuracy before -> after
-    python grpo.py --pretrain runs/sft_tool --agent_server toy_chat_agent.py ... -> runs/grpo_tool_chat
-                                                            the same task, an agent on the OpenAI chat API
 """
 
 import json
@@ -76,7 +74,7 @@ def stages(world):
                 "--learning_rate", "5e-4", "--lr_warmup_ratio", "0.05", "--train_batch_size", "64",
                 "--micro_train_batch_size", "64", "--max_len", "32", "--eval_generate_samples", "1000",
                 "--generate_max_len", "5"]
-    tool = ["--pretrain", "runs/sft_tool", "--dataset", f"{world}/tool_train.jsonl", "--eval_dataset",
+    tool = ["--agent_func_path", "toy_agent.py", "--dataset", f"{world}/tool_train.jsonl", "--eval_dataset",
             f"{world}/tool_test.jsonl", "--label_key", "label", "--prompt_max_len", "16", "--generate_max_len", "16",
             "--rollout_batch_size", "32", "--n_samples_per_prompt", "8", "--train_batch_size", "256",
             "--micro_train_batch_size", "64", "--micro_rollout_batch_size", "64", "--learning_rate", "5e-5",
@@ -116,12 +114,8 @@ def stages(world):
         # the tool task (toy_agent.py): "07+x=" hides x, which the environment reveals when asked ("?")
         ("SFT tool", ["sft.py", "--pretrain", "runs/sft_short", *tool_sft, "--save_path", "runs/sft_tool"],
          "runs/sft_tool", "eval_exact_match", "held-out exact match (first turn or answer)"),
-        ("GRPO tool", ["grpo.py", "--agent_func_path", "toy_agent.py", *tool, "--save_path", "runs/grpo_tool"],
+        ("GRPO tool", ["grpo.py", "--pretrain", "runs/sft_tool", *tool, "--save_path", "runs/grpo_tool"],
          "runs/grpo_tool", "eval_accuracy", "held-out greedy accuracy (episodes)"),
-        # the same task as an agent on the OpenAI chat API (toy_chat_agent.py), its messages rendered as plain turns
-        ("GRPO tool chat", ["grpo.py", "--agent_server", "toy_chat_agent.py", "--tokenizer_chat_template",
-                            f"{world}/plain_chat.jinja", *tool, "--save_path", "runs/grpo_tool_chat"],
-         "runs/grpo_tool_chat", "eval_accuracy", "held-out greedy accuracy (episodes)"),
     ]
 
 

@@ -1,6 +1,7 @@
 """The toy RLHF stages over seeds: what each lifts held-out accuracy by, as a mean and a range, not one run.
 
     .venv/bin/python bench/toy_seeds.py [--seeds 0 1 2] [--stages sft_short grpo ppo dpo dpo_online prm grpo_tool]
+                                        [--stages grpo_tool grpo_tool_chat]
 
 Every stage runs demo.py's own command with --seed s and its output under runs/seeds/<s>/. The RL stages all start
 from the same policy, demo.py's runs/sft_short, and learn from the same inputs (runs/pairs_*.jsonl, runs/rm_policy);
@@ -9,7 +10,10 @@ the start's own spread over seeds is the sft_short row (SFT short trained with e
 (from demo.py's runs/sft_steps). The figure is held-out greedy exact match on the 500 test sums (the PRM's: held-out
 step accuracy); an RL stage's start is its own eval before training. A table of start, end and lift (mean, and min
 to max over the seeds) and seconds per run is printed at the end. grpo_tool (the tool task, toy_agent.py, from
-demo.py's runs/sft_tool) also prints its tool-call rate before and after, and the sampled rate at each logged step.
+demo.py's runs/sft_tool) also prints its tool-call rate before and after, and the sampled rate at each logged step;
+grpo_tool_chat is the same stage with the task as an agent on the OpenAI chat API (toy_chat_agent.py, --agent_server,
+its messages rendered by toy_world/plain_chat.jinja into the same tokens): not a demo.py stage (~9 min a run on 2
+cores, against ~2: each model call goes through the openai client and the HTTP endpoint).
 """
 
 import argparse
@@ -27,11 +31,12 @@ import demo  # noqa: E402
 import toy  # noqa: E402
 
 STAGES = {"sft_short": "SFT short", "grpo": "GRPO", "ppo": "PPO", "dpo": "DPO", "dpo_online": "DPO online",
-          "prm": "PRM", "grpo_tool": "GRPO tool"}  # --stages name -> demo.py's stage
+          "prm": "PRM", "grpo_tool": "GRPO tool", "grpo_tool_chat": "GRPO tool chat"}  # --stages name -> stage
 # demo.py's runs each stage starts from or learns from, in demo.py's order (RM policy learns from SFT and the pairs)
 RM_POLICY = ["SFT", "SFT short", "Pairs", "Pairs held out", "RM policy"]
 INPUTS = {"sft_short": [], "grpo": ["SFT short"], "ppo": RM_POLICY, "dpo": ["SFT short", "Pairs"],
-          "dpo_online": RM_POLICY, "prm": ["SFT steps"], "grpo_tool": ["SFT short", "SFT tool"]}
+          "dpo_online": RM_POLICY, "prm": ["SFT steps"], "grpo_tool": ["SFT short", "SFT tool"],
+          "grpo_tool_chat": ["SFT short", "SFT tool"]}
 
 
 def run(cmd):
@@ -55,6 +60,10 @@ def main():
     os.chdir(ROOT)  # demo.py's commands name their inputs and outputs relative to the repository
     world = os.path.relpath(toy.ensure_toy_world())
     stages = {name: (cmd, out, key) for name, cmd, out, key, _ in demo.stages(world)}
+    cmd, out, key = stages["GRPO tool"]
+    i = cmd.index("--agent_func_path")
+    stages["GRPO tool chat"] = ([*cmd[:i], "--agent_server", "toy_chat_agent.py", "--tokenizer_chat_template",
+                                 f"{world}/plain_chat.jinja", *cmd[i + 2:]], f"{out}_chat", key)
     for name in dict.fromkeys(n for stage in args.stages for n in INPUTS[stage]):
         cmd, out, _ = stages[name]
         if not Path(out, "config.json").exists() and not Path(out).is_file():

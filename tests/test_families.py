@@ -447,7 +447,7 @@ def vllm_greedy(policy, prompts):
     args = argparse.Namespace(pretrain=policy, seed=0, bf16=False, prompt_max_len=32, generate_max_len=12,
                               trust_remote_code=False, vllm_gpu_memory_utilization=0.3, top_p=1.0,
                               vllm_tensor_parallel_size=1, enable_prefix_caching=False, zero_stage=0,
-                              enforce_eager=False, vllm=True, ray=False, agent_func_path=None)
+                              enforce_eager=False, vllm=True, ray=False, agent_func_path=None, agent_server=None)
     common.init_distributed(args)
     tok = AutoTokenizer.from_pretrained(policy)
     model = AutoModelForCausalLM.from_pretrained(policy).eval()

@@ -218,7 +218,7 @@ def test_bad_judges_and_sources_stop_in_one_line(toy_world, tmp_path, tokenizer)
         prm.check_saved(model.config, tok, path)
     with pytest.raises(SystemExit, match="not a prm.py model"):
         prm.check_saved(AutoModelForCausalLM.from_pretrained(toy_world / "model").config, tok, "m")
-    rl = dict(remote_rm_url=None, agent_func_path=None, process_rewards=True)
+    rl = dict(remote_rm_url=None, agent_func_path=None, agent_server=None, process_rewards=True)
     with pytest.raises(SystemExit, match="is not a prm.py model"):  # a sequence classifier has no steps
         grpo.check_one_reward(script_args(**rl, reward_pretrain=str(toy_world / "model")))
     with pytest.raises(SystemExit, match="scored by the agent"):

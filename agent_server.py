@@ -28,10 +28,12 @@ or never calls the model stops the run in one line (its traceback in <save_path>
 
 import argparse
 import asyncio
+import functools
 import inspect
 import itertools
 import json
 import math
+import os
 import secrets
 import socket
 import ssl
@@ -50,6 +52,7 @@ SERVED = "policy"  # the model name a request gives
 ROUND_WAIT = 0.5  # seconds a waiting call holds its round open for episodes busy in their environment
 
 
+@functools.cache
 def load_rollout(path):
     """FILE's `async def rollout(client, record)`, or one line saying what is missing."""
     import agents
@@ -65,6 +68,9 @@ def check_options(args):
     """The file read before any model loads; the messages are rendered with the chat template, so the stop token is
     its turn end (as with --apply_chat_template, which this sets); the flags that cannot go with it."""
     load_rollout(args.agent_server)
+    if args.zero_stage == 3 and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's and deepspeed's
+        fail("--agent_server with --zero_stage 3 over several processes is not supported yet: an episode may give "
+             "several samples, and ZeRO-3's forwards need every rank to hold as many")
     args.apply_chat_template = True
     if getattr(args, "dynamic_filtering", False):
         fail("--dynamic_filtering with --agent_server is not supported: an episode may give several samples, "
@@ -93,7 +99,8 @@ def request_fields(body, tokenizer):
             raise Refused(400, f"messages[{i}] is not a message with a 'role'")
         content = m.get("content")
         if isinstance(content, list):  # content parts: their text, joined
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            content = "".join(parts) if all(isinstance(t, str) for t in parts) else 0
         if not isinstance(content, (str, type(None))):
             raise Refused(400, f"messages[{i}].content must be a string or a list of text parts")
         rendered.append({**m, "content": content or ""})
@@ -101,12 +108,14 @@ def request_fields(body, tokenizer):
     try:
         text = tokenizer.apply_chat_template(rendered, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # a template's raise_exception (roles that do not alternate), a Jinja error
-        raise Refused(400, f"the chat template cannot render these messages: {str(e).splitlines()[0]}") from None
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise Refused(400, f"the chat template cannot render these messages: {reason}") from None
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop
-    fields = {"n": body.get("n", 1), "max_tokens": body.get("max_completion_tokens", body.get("max_tokens")),
+    given = lambda key, default=None: default if body.get(key) is None else body[key]  # noqa: E731  (null: absent)
+    fields = {"n": given("n", 1), "max_tokens": given("max_completion_tokens", body.get("max_tokens")),
               "temperature": body.get("temperature"), "top_p": body.get("top_p"), "stop": stop or [],
-              "logprobs": body.get("logprobs") or False}
+              "logprobs": given("logprobs", False)}
     checks = {"n": lambda v: type(v) is int and v >= 1, "max_tokens": lambda v: v is None or type(v) is int and v >= 1,
               "temperature": lambda v: v is None or isinstance(v, (int, float)) and v >= 0,
               "top_p": lambda v: v is None or isinstance(v, (int, float)) and 0 < v <= 1,
@@ -181,8 +190,10 @@ class Endpoint:
     otherwise), with the calls waiting for the model (`pending`, under `cond`). Episodes are told apart by their
     base URL, /episodes/<key>/v1; without episodes (`episodes` None) it serves /v1 to anyone."""
 
-    def __init__(self, tokenizer, max_len, max_turns=None, host="127.0.0.1", port=0, episodes=None):
+    def __init__(self, tokenizer, max_len, max_turns=None, host="127.0.0.1", port=0, episodes=None,
+                 prompt_max_len=None):
         self.tokenizer, self.max_len, self.max_turns, self.episodes = tokenizer, max_len, max_turns, episodes
+        self.prompt_max_len = prompt_max_len
         self.pending, self.cond = [], threading.Condition()
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -194,7 +205,9 @@ class Endpoint:
 
     async def serve(self, sock):
         import uvicorn
-        config = uvicorn.Config(self.app(), log_level="warning", lifespan="off", access_log=False)
+        # idle connections kept an hour: an agent's environment step must not race the server closing its connection
+        config = uvicorn.Config(self.app(), log_level="warning", lifespan="off", access_log=False,
+                                timeout_keep_alive=3600)
         await uvicorn.Server(config).serve(sockets=[sock])
 
     def app(self):
@@ -230,6 +243,9 @@ class Endpoint:
         with self.cond:
             e = self.episode(key)
             trajectory = e.continued(prompt) if e else None
+            if trajectory is None and self.prompt_max_len and len(prompt) > self.prompt_max_len:
+                raise Refused(400, f"a prompt of {len(prompt)} tokens starts a sample: over --prompt_max_len "
+                                   f"{self.prompt_max_len}")
             used = len(prompt) - len(trajectory.prompt) if trajectory else 0
             budget = min(fields["max_tokens"] or math.inf, self.max_len - used)
             if budget <= 0:  # its sample has no room left: answered empty, the episode truncated
@@ -241,7 +257,10 @@ class Endpoint:
                 e.env += 0.0 if e.waiting else time.time() - e.mark
                 e.waiting += 1
             self.cond.notify_all()
-        return self.response(await call.future, prompt, fields)
+        choices = await call.future
+        if isinstance(choices, Refused):
+            raise choices
+        return self.response(choices, prompt, fields)
 
     def episode(self, key):
         """The live episode a request belongs to (None without episodes), its call counted; else Refused."""
@@ -296,6 +315,10 @@ class Endpoint:
                     return late
                 self.cond.wait(0.05)
 
+    def refuse(self, call, reason):
+        """Answer a call with a 400 (the endpoint alone: a request its model cannot take)."""
+        call.loop.call_soon_threadsafe(lambda: call.future.done() or call.future.set_result(Refused(400, reason)))
+
     def answer(self, call, choices):
         """Hand a call its choices [(ids, log-probs, finish_reason)]; record them in its episode's samples."""
         e = call.episode
@@ -316,7 +339,7 @@ class Endpoint:
 def finished(ids, eos, tokenizer, stop):
     """A completion cut at its first stop string (the tokens through the one that completes it: what the policy
     sampled up to there) -> (ids, finish_reason)."""
-    if stop:
+    if stop and any(s in tokenizer.decode(ids, skip_special_tokens=True) for s in stop):
         for k in range(1, len(ids) + 1):
             if any(s in tokenizer.decode(ids[:k], skip_special_tokens=True) for s in stop):
                 return ids[:k], "stop"
@@ -327,16 +350,14 @@ class ChatAgentEngine:
     """--agent_server on `engine` (HF generate, vLLM, Ray): sample(records, temperature) runs one rollout() per
     record and answers their calls in rounds; it returns what every engine returns, one entry per sample, plus
     action_mask, stopped, the agent's rewards and `episode`, each sample's episode (index into records). `in_step`:
-    every rank makes the same sample() calls (ZeRO-3 generate, a tensor-parallel vLLM engine); `same_count` (ZeRO-3
-    training over several processes): every rank returns as many samples (fillers: copies of its first sample with
-    action mask 0), as its forwards are collectives."""
+    every rank makes the same sample() calls (a tensor-parallel vLLM engine)."""
 
-    def __init__(self, engine, args, tokenizer, in_step=False, same_count=False):
-        self.engine, self.args, self.tokenizer, self.in_step, self.same_count = engine, args, tokenizer, in_step, \
-            same_count
+    def __init__(self, engine, args, tokenizer, in_step=False):
+        self.engine, self.args, self.tokenizer, self.in_step = engine, args, tokenizer, in_step
         self.rollout, self.warned, self.with_logprobs = load_rollout(args.agent_server), False, False
         self.episodes, self.tls, self.lock = {}, ssl.create_default_context(), threading.Lock()
-        self.endpoint = Endpoint(tokenizer, args.generate_max_len, args.max_turns, episodes=self.episodes)
+        self.endpoint = Endpoint(tokenizer, args.generate_max_len, args.max_turns, episodes=self.episodes,
+                                 prompt_max_len=args.prompt_max_len)
         self.agents = asyncio.new_event_loop()  # the agents' own loop: a blocking agent does not block the endpoint
         threading.Thread(target=self.agents.run_forever, daemon=True).start()
 
@@ -368,17 +389,19 @@ class ChatAgentEngine:
 
     async def run(self, e):
         import openai
-        # a connection pool of its own (one pool for all scans every connection for each request: quadratic), with
-        # one TLS context for all (making one costs ~30 ms)
-        http = openai.DefaultAsyncHttpxClient(verify=self.tls)
-        client = openai.AsyncOpenAI(base_url=f"{self.endpoint.url}/episodes/{e.key}/v1", api_key="episode",
-                                    max_retries=0, timeout=None, http_client=http)
+        http = None
         try:
+            # a connection pool of its own (one pool for all scans every connection for each request: quadratic),
+            # one TLS context for all (making one costs ~30 ms)
+            http = openai.DefaultAsyncHttpxClient(verify=self.tls)
+            client = openai.AsyncOpenAI(base_url=f"{self.endpoint.url}/episodes/{e.key}/v1", api_key="episode",
+                                        max_retries=0, timeout=None, http_client=http)
             e.result = await self.rollout(client, dict(e.record))
-        except Exception as err:
+        except BaseException as err:  # a cancelled rollout too
             e.error = err
         finally:
-            await http.aclose()
+            if http is not None:
+                await http.aclose()
             with self.endpoint.cond:
                 e.ended = True
                 self.endpoint.cond.notify_all()
@@ -439,11 +462,6 @@ class ChatAgentEngine:
             for t in e.trajectories:
                 rows.append((i, t, reward, extra, e))
         names = sorted({k for _, _, _, extra, _ in rows for k in extra})
-        if self.same_count:  # fillers: the first sample again, trained on no token (its reward changes no mean)
-            (most,) = common.all_reduce_max([float(len(rows))])
-            i, t, *rest = rows[0]
-            rows += [(i, Trajectory(t.prompt, t.tokens, [0] * len(t.tokens), t.logprobs, t.stopped), *rest)] * \
-                (int(most) - len(rows))
         tensor = lambda xs, dtype: [torch.tensor(x, dtype=dtype) for x in xs]  # noqa: E731
         out = {"records": [{**records[i], "ids": torch.tensor(t.prompt), "text": self.tokenizer.decode(t.prompt)}
                            for i, t, *_ in rows],
@@ -453,9 +471,9 @@ class ChatAgentEngine:
                "action_mask": tensor([t.mask for _, t, *_ in rows], torch.bool),
                "stopped": [t.stopped and not e.truncated for _, t, _, _, e in rows],
                "episode": torch.tensor([i for i, *_ in rows])}
-        logs = {"turns": [float(e.calls) for *_, e in rows], "truncated": [float(e.truncated) for *_, e in rows],
-                "samples": [float(len(e.trajectories)) for *_, e in rows],
-                **{k: [extra.get(k, 0.0) for *_, extra, _ in rows] for k in names}}
+        logs = {**{k: [extra.get(k, 0.0) for *_, extra, _ in rows] for k in names},  # ours below win a clash
+                "turns": [float(e.calls) for *_, e in rows], "truncated": [float(e.truncated) for *_, e in rows],
+                "samples": [float(len(e.trajectories)) for *_, e in rows]}
         rewards = torch.tensor([r for _, _, r, _, _ in rows])
         out["agent_rewards"] = {"rewards": rewards, "scores": rewards.clone(),
                                 "logs": {k: torch.tensor(v, dtype=torch.float32) for k, v in logs.items()}}
@@ -464,7 +482,7 @@ class ChatAgentEngine:
     def reward(self, e):
         """An ended episode's (reward, extra logs); one past --max_turns whose rollout raised: truncated, 0."""
         if e.error is not None:
-            if e.refused:
+            if e.refused and type(e.error).__name__ == "ConflictError":  # openai's 409: a call past --max_turns
                 e.truncated = True
                 return 0.0, {}
             self.broken(f"raised {type(e.error).__name__}: {e.error}", e)
@@ -513,9 +531,6 @@ class Generate:
             out.append(row[:stop[0, 0] + 1] if len(stop) else row)
         return {"responses": out, "logprobs": None, "version": None}
 
-    def sync(self, model, version):
-        pass
-
 
 def serve(endpoint, generate):
     """Answer calls one at a time, each at its own sampling fields, until interrupted."""
@@ -523,10 +538,15 @@ def serve(endpoint, generate):
         for call in endpoint.next_round([], None):
             f = call.fields
             t = 1.0 if f["temperature"] is None else f["temperature"]
-            out = generate.sample([{"ids": call.prompt}] * f["n"], t, [call.budget] * f["n"], f["top_p"] or 1.0)
-            pairs = [(torch.tensor(call.prompt), r) for r in out["responses"]]
-            logprobs = common.response_logprobs(generate.model, pairs, generate.tokenizer.pad_token_id, False,
-                                                t or 1.0)[0].tolist() if f["logprobs"] else None
+            try:
+                out = generate.sample([{"ids": call.prompt}] * f["n"], t, [call.budget] * f["n"], f["top_p"] or 1.0)
+                pairs = [(torch.tensor(call.prompt), r) for r in out["responses"]]
+                logprobs = common.response_logprobs(generate.model, pairs, generate.tokenizer.pad_token_id, False,
+                                                    t or 1.0)[0].tolist() if f["logprobs"] else None
+            except Exception as e:  # a prompt past the model's positions, a temperature that overflows, ...
+                endpoint.refuse(call, f"the model cannot answer this request: {type(e).__name__}: "
+                                      f"{(str(e).splitlines() or [''])[0]}")
+                continue
             choices = []
             for k, r in enumerate(out["responses"]):
                 ids, why = finished(r.tolist(), generate.tokenizer.eos_token_id, generate.tokenizer, f["stop"])
@@ -564,6 +584,7 @@ def main():
     records = common.load_records(args.dataset, "train", [args.input_key] + [args.label_key] * bool(args.label_key),
                                   args.max_samples)
     args.agent_server, args.max_turns, args.agent_timeout, args.micro_rollout_batch_size = args.agent, None, 600.0, 8
+    args.prompt_max_len = None
     args.save_path = "agent_server"
     engine = ChatAgentEngine(generate, args, tokenizer)
     out = engine.sample([{"input": r[args.input_key], "text": "", "label": r.get(args.label_key)} for r in records],

@@ -228,8 +228,7 @@ def start_engine(args, model, tokenizer, version=0):
         engine = agents.AgentEngine(engine, args, tokenizer, in_step)
     if args.agent_server:  # YOUR agent on the OpenAI chat API, through an endpoint this process serves
         import agent_server
-        engine = agent_server.ChatAgentEngine(engine, args, tokenizer, in_step,
-                                              same_count=args.zero_stage == 3 and dist.get_world_size() > 1)
+        engine = agent_server.ChatAgentEngine(engine, args, tokenizer, in_step)
     return engine
 
 

@@ -54,7 +54,8 @@ def agent_file(tmp_path, body, name="chat_agent.py"):
 def server_args(path, tmp_path, **kw):
     return argparse.Namespace(**{"agent_server": str(path), "generate_max_len": 40, "max_turns": None,
                                  "agent_timeout": 20.0, "temperature": 1.0, "top_p": 1.0,
-                                 "micro_rollout_batch_size": 8, "save_path": str(tmp_path / "run"), **kw})
+                                 "micro_rollout_batch_size": 8, "prompt_max_len": 1024,
+                                 "save_path": str(tmp_path / "run"), **kw})
 
 
 def records(*rows):
@@ -286,16 +287,19 @@ def test_an_ended_episode_and_calls_past_max_turns_are_refused(plain, tmp_path):
     ("CALL\n    return {'score': 1.0}\n", "rollout returned {'score': 1.0}; expected a finite number"),
     ("CALL\n    return 'good'\n", "rollout returned 'good'; expected a finite number"),
     ("CALL\n    raise ValueError('the tool broke')\n", "rollout raised ValueError: the tool broke (traceback in"),
-    ("import time\nCALL\n    time.sleep(1.5)\n    return 1.0\n", "rollout spent over --agent_timeout 0.5 s outside"),
-], ids=["sync", "no-call", "nan", "no-reward", "text", "raises", "timeout"])
+    ("import time\nCALL\n    time.sleep(4)\n    return 1.0\n", "rollout spent over --agent_timeout 1 s outside"),
+    ("CALL\n    await client.chat.completions.create(model='policy', messages=[{'role': 'user', 'content': 'x' * 40}])"
+     "\n    return 1.0\n", "a prompt of 41 tokens starts a sample: over --prompt_max_len 16"),
+], ids=["sync", "no-call", "nan", "no-reward", "text", "raises", "timeout", "long-prompt"])
 def test_a_broken_agent_stops_the_run_in_one_line(plain, tmp_path, body, message):
     tokenizer = plain
     call = "async def rollout(client, record):\n    await client.chat.completions.create(model='policy', " \
            "messages=[{'role': 'user', 'content': '1+1='}])"
     path = agent_file(tmp_path, body.replace("CALL", call), f"broken_{abs(hash(body))}.py")
     with pytest.raises(SystemExit) as e:
-        agent_server.ChatAgentEngine(Scripted(tokenizer, ["2"]), server_args(path, tmp_path, agent_timeout=0.5),
-                                     tokenizer).sample(records(("1+1=", None)), 1.0)
+        agent_server.ChatAgentEngine(Scripted(tokenizer, ["2"]), server_args(
+            path, tmp_path, agent_timeout=1.0 if "sleep" in body else 20.0, prompt_max_len=16), tokenizer).sample(
+            records(("1+1=", None)), 1.0)
     assert message in str(e.value) and "\n" not in str(e.value)
     if "traceback" in message:
         assert "the tool broke" in (tmp_path / "run_agent_error.log").read_text()
@@ -408,14 +412,20 @@ async def rollout(client, record):
 '''
 
 
-def test_ppo_over_two_zero3_ranks_whose_episodes_split_differently(policy, tool_data, tmp_path):
-    """ppo.py over two ZeRO-3 ranks (every forward collective): rank 0's episodes give one sample each, rank 1's two.
-    The ranks keep their generate calls in step and return as many samples (fillers trained on no token), and step
-    DeepSpeed equally often: the run finishes, logging 1.5 samples an episode on the mean over ranks."""
+def test_ppo_over_two_ranks_whose_episodes_split_differently(policy, tool_data, tmp_path, monkeypatch):
+    """ppo.py over two ZeRO-2 ranks: rank 0's episodes give one sample each, rank 1's two. Both step DeepSpeed
+    equally often (as many micro-batches as their episodes make): the run finishes, logging 5/3 samples an episode
+    on the mean over both ranks' samples. ZeRO-3 over several processes (every forward collective, so every rank would need as
+    many samples) is refused in one line before any model loads."""
     path = agent_file(tmp_path, SPLITS_ON_RANK_1, "splits.py")
     flags = [*TOOL[:-1], path, *tool_data, "--eval_dataset", ""]
-    proc = run_script("ppo.py", *flags, "--pretrain", policy, "--zero_stage", 3, "--save_path", tmp_path / "p",
+    proc = run_script("ppo.py", *flags, "--pretrain", policy, "--zero_stage", 2, "--save_path", tmp_path / "p",
                       nproc=2, timeout=900)
     log = proc.stdout + proc.stderr
     assert results(tmp_path / "p")["steps"] == 4 and last_logged(log, "turns_max") == 2
-    assert last_logged(log, "samples") == 1.5  # rank 0: its samples and as many fillers, 1 each; rank 1: 2 each
+    # a mean over samples: rank 0's N of 1 sample an episode, rank 1's 2N of 2
+    assert last_logged(log, "samples") == pytest.approx(5 / 3, abs=1e-3) and math.isfinite(last_logged(log, "kl"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    proc = run_main("ppo.py", *flags, "--pretrain", policy, "--zero_stage", 3, check=False)
+    assert "--agent_server with --zero_stage 3 over several processes is not supported" in \
+        proc.stderr.strip().splitlines()[-1]

@@ -212,7 +212,8 @@ def rank_pairs(batch, scores):
 
 
 # ------------------------------------------------------------------------------------------- rewards
-def reward_client(target, batch_size=64, timeout=60.0, retries=10, backoff=1.0, retry_wait=60.0):
+def reward_client(target, batch_size=64, timeout=60.0, retries=10, backoff=1.0, retry_wait=60.0,
+                  flag="--remote_rm_url"):
     """--remote_rm_url -> f(queries, prompts, labels) -> {"rewards": [N], "scores": [N], "logs": {name: [N]}}: a
     /get_reward URL (OpenRLHF's JSON API; retries: remote_rewards) or a .py file defining reward_func(queries, prompts,
     labels): YOUR code, imported, so it runs in this process with its permissions, like a script you start with python
@@ -223,7 +224,7 @@ def reward_client(target, batch_size=64, timeout=60.0, retries=10, backoff=1.0, 
         return lambda q, p, l: remote_rewards(target, q, p, l, batch_size, timeout, retries, backoff, retry_wait)
     path = Path(target)
     if path.suffix != ".py" or not path.is_file():
-        common.fail(f"--remote_rm_url {path}: neither an http(s) URL nor an existing .py file")
+        common.fail(f"{flag} {path}: neither an http(s) URL nor an existing .py file")
     spec = importlib.util.spec_from_file_location(f"user_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -711,7 +712,7 @@ def main():
     # the reward files are read before any model loads: a bad one stops the run at once
     client = args.remote_rm_url and reward_client(args.remote_rm_url, args.remote_rm_batch_size, args.remote_rm_timeout,
                                                   args.remote_rm_retries, retry_wait=args.remote_rm_retry_wait)
-    eval_fn = args.eval_reward_func and reward_client(args.eval_reward_func)
+    eval_fn = args.eval_reward_func and reward_client(args.eval_reward_func, flag="--eval_reward_func")
     _, world = common.init_distributed(args)
     start = time.time()
     tokenizer = common.load_tokenizer(args.pretrain, args)

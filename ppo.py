@@ -356,7 +356,8 @@ def reference_kl(ref, batch, old_logprobs, pad_id, offload, args):
 
 
 # ------------------------------------------------------------------------------------------- rewards
-def reward_client(target, batch_size=64, timeout=60.0, retries=10, backoff=1.0, retry_wait=60.0):
+def reward_client(target, batch_size=64, timeout=60.0, retries=10, backoff=1.0, retry_wait=60.0,
+                  flag="--remote_rm_url"):
     """--remote_rm_url -> f(queries, prompts, labels) -> {"rewards": [N], "scores": [N], "logs": {name: [N]}}, one of:
       http(s)://host:port/get_reward   OpenRLHF's JSON API: POST {"query": [...], "prompts": [...], "labels": [...]},
           reply {"rewards": [...]} (optionally "scores", "extra_logs", "step_rewards"); retried by remote_rewards
@@ -371,7 +372,7 @@ def reward_client(target, batch_size=64, timeout=60.0, retries=10, backoff=1.0, 
           "step_rewards" (for process_rewards.py)}; anything else stops the run saying what is wrong (check_rewards)."""
     if str(target).startswith(("http://", "https://")):
         return lambda q, p, l: remote_rewards(target, q, p, l, batch_size, timeout, retries, backoff, retry_wait)
-    reward_func, source = load_reward_func(target), f"reward_func in {target}"
+    reward_func, source = load_reward_func(target, flag), f"reward_func in {target}"
     return lambda q, p, l: check_rewards(reward_func(q, p, l), len(q), source)
 
 
@@ -389,9 +390,9 @@ def user_module(path, refusal):
     return module
 
 
-def load_reward_func(path):
-    """`reward_func` from a Python file (user_module). Signature and return value: see reward_client."""
-    module = user_module(path, f"--remote_rm_url {path}: neither an http(s) URL nor an existing .py file")
+def load_reward_func(path, flag="--remote_rm_url"):
+    """`reward_func` from a Python file (user_module), named by `flag`. Signature and return: see reward_client."""
+    module = user_module(path, f"{flag} {path}: neither an http(s) URL nor an existing .py file")
     if not callable(getattr(module, "reward_func", None)):
         fail(f"{path} defines no function reward_func(queries, prompts, labels)")
     return module.reward_func
@@ -949,7 +950,7 @@ def main():
         retry_wait=args.remote_rm_retry_wait)
     if args.vllm or args.ray:  # vLLM engines sample: their metrics (engine_gap, staleness) come from engines.py
         import engines
-    eval_fn = args.eval_reward_func and reward_client(args.eval_reward_func)
+    eval_fn = args.eval_reward_func and reward_client(args.eval_reward_func, flag="--eval_reward_func")
     common.init_distributed(args)
     start = time.time()
     tokenizer = common.load_tokenizer(args.pretrain, args)

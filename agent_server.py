@@ -199,7 +199,8 @@ class Endpoint:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(2048)  # connections made before uvicorn starts wait in the backlog
-        self.url = f"http://{host}:{sock.getsockname()[1]}"
+        address = f"[{host}]" if ":" in host else host  # an IPv6 address goes in brackets in a URL
+        self.url = f"http://{address}:{sock.getsockname()[1]}"
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_until_complete, args=(self.serve(sock),), daemon=True).start()
 

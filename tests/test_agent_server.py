@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import openai
@@ -183,6 +184,20 @@ def endpoint(policy):
     threading.Thread(target=agent_server.serve, args=(point, agent_server.Generate(model, tok)), daemon=True).start()
     return point, model, tok
 
+
+
+def test_an_ipv6_host_gets_a_url_with_brackets(endpoint):
+    """--host ::1: the URL an agent is given is http://[::1]:port, and /v1/models answers there."""
+    _, _, tok = endpoint
+    point = agent_server.Endpoint(tok, 8, host="::1")
+    assert point.url.startswith("http://[::1]:")
+    for _ in range(50):  # uvicorn starts in its thread
+        try:
+            r = httpx.get(f"{point.url}/v1/models", timeout=5)
+            break
+        except httpx.ConnectError:
+            time.sleep(0.1)
+    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["policy"]
 
 def post(url, body):
     r = httpx.post(f"{url}/v1/chat/completions", content=body if isinstance(body, bytes) else json.dumps(body),

@@ -214,10 +214,11 @@ def rank_pairs(batch, scores):
 # ------------------------------------------------------------------------------------------- rewards
 def reward_client(target, batch_size=64, timeout=60.0, retries=10, backoff=1.0, retry_wait=60.0,
                   flag="--remote_rm_url"):
-    """--remote_rm_url -> f(queries, prompts, labels) -> {"rewards": [N], "scores": [N], "logs": {name: [N]}}: a
-    /get_reward URL (OpenRLHF's JSON API; retries: remote_rewards) or a .py file defining reward_func(queries, prompts,
-    labels): YOUR code, imported, so it runs in this process with its permissions, like a script you start with python
-    (errors in it show their own traceback). The contract a reward_func follows: grpo.reward_client's docstring."""
+    """--remote_rm_url (or --eval_reward_func: `flag`, which errors name) -> f(queries, prompts, labels) ->
+    {"rewards": [N], "scores": [N], "logs": {name: [N]}}: a /get_reward URL (OpenRLHF's JSON API; retries:
+    remote_rewards) or a .py file defining reward_func(queries, prompts, labels): YOUR code, imported, so it runs in
+    this process with its permissions, like a script you start with python (errors in it show their own traceback).
+    The contract a reward_func follows: grpo.reward_client's docstring."""
     import importlib.util
 
     if str(target).startswith(("http://", "https://")):

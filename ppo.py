@@ -358,7 +358,8 @@ def reference_kl(ref, batch, old_logprobs, pad_id, offload, args):
 # ------------------------------------------------------------------------------------------- rewards
 def reward_client(target, batch_size=64, timeout=60.0, retries=10, backoff=1.0, retry_wait=60.0,
                   flag="--remote_rm_url"):
-    """--remote_rm_url -> f(queries, prompts, labels) -> {"rewards": [N], "scores": [N], "logs": {name: [N]}}, one of:
+    """--remote_rm_url (or --eval_reward_func: `flag`, which errors name) -> f(queries, prompts, labels) ->
+    {"rewards": [N], "scores": [N], "logs": {name: [N]}}, one of:
       http(s)://host:port/get_reward   OpenRLHF's JSON API: POST {"query": [...], "prompts": [...], "labels": [...]},
           reply {"rewards": [...]} (optionally "scores", "extra_logs", "step_rewards"); retried by remote_rewards
       my_reward.py   a file defining reward_func(queries, prompts, labels): YOUR code, run in this process with your

@@ -157,7 +157,6 @@ def test_grpo_missing_label_and_bad_reward_source(toy_world, tmp_path):
     assert f"{data}: line 2" in line and "'label'" in line
 
 
-
 @pytest.mark.parametrize("script", ["grpo.py", "ppo.py", "online_dpo.py"])
 def test_a_missing_eval_reward_file_is_named_by_its_own_flag(toy_world, tmp_path, script):
     """The training reward is fine (the toy rule); the eval one is missing: the error names --eval_reward_func."""
@@ -165,6 +164,7 @@ def test_a_missing_eval_reward_file_is_named_by_its_own_flag(toy_world, tmp_path
     line = one_line_error(run_main(script, "--remote_rm_url", ROOT / "toy.py", "--eval_reward_func", missing,
                                    cwd=tmp_path, check=False))
     assert line == f"error: --eval_reward_func {missing}: neither an http(s) URL nor an existing .py file"
+
 
 def test_grpo_reward_func_returning_the_wrong_count(toy_world, tmp_path):
     reward = tmp_path / "short.py"

@@ -423,8 +423,8 @@ def test_reward_calls_read_replies_and_fail_alike(tmp_path):
 def remote_runs(timeout=5.0, retries=2, **server):
     """remote_rewards of every copy (distill.py has none: its rewards come from a file) against one real server on
     127.0.0.1, conftest.RewardServer(**server), each given the same small budget as arguments (the mains pass their
-    --remote_rm_* flags; make_pairs.py, which has none, the defaults) -> (what every copy gave: its named result or
-    its error, the seconds it took masked, and the requests it made; the server's URL)."""
+    --remote_rm_* flags) -> (what every copy gave: its named result or its error, the seconds it took masked, and the
+    requests it made; the server's URL)."""
     queries, prompts, labels = ["12+34=46", "7+5=12</s>", "x"], ["12+34=", "7+5=", ""], ["46", "12", None]
     server, runs = RewardServer(**server), {}
     try:

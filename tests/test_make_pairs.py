@@ -51,7 +51,6 @@ def test_rule_judged_pairs_are_right_against_wrong(policy, toy_world, tmp_path, 
         assert (p["chosen_score"], p["rejected_score"]) == (1.0, 0.0)
 
 
-
 def test_an_unreachable_judge_stops_after_the_retries_it_was_given(policy, toy_world, tmp_path):
     """--remote_rm_timeout/--remote_rm_retries/--remote_rm_retry_wait as in the RL scripts: a closed port is tried
     twice, then the run stops in one line naming the flags' values."""
@@ -66,6 +65,7 @@ def test_an_unreachable_judge_stops_after_the_retries_it_was_given(policy, toy_w
     assert errors[0].startswith("error: reward server http://127.0.0.1:9/get_reward failed 2 times in ")
     assert "(--remote_rm_retries 1, --remote_rm_retry_wait 0.5); last error: " in errors[0]
     assert not (tmp_path / "pairs.jsonl").exists()
+
 
 @torch.no_grad()
 def test_reward_model_scores_are_the_stock_classifier_s(policy, toy_world, tmp_path):

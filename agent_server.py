@@ -195,11 +195,12 @@ class Endpoint:
         self.tokenizer, self.max_len, self.max_turns, self.episodes = tokenizer, max_len, max_turns, episodes
         self.prompt_max_len = prompt_max_len
         self.pending, self.cond = [], threading.Condition()
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        ipv6 = ":" in host
+        sock = socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(2048)  # connections made before uvicorn starts wait in the backlog
-        address = f"[{host}]" if ":" in host else host  # an IPv6 address goes in brackets in a URL
+        address = f"[{host}]" if ipv6 else host  # an IPv6 address goes in brackets in a URL
         self.url = f"http://{address}:{sock.getsockname()[1]}"
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_until_complete, args=(self.serve(sock),), daemon=True).start()
@@ -596,6 +597,7 @@ def main():
                        for sampled, run in itertools.groupby(pairs, key=lambda pair: pair[1]))
         print(f"episode {int(out['episode'][i])}, reward {float(out['agent_rewards']['rewards'][i]):g}: "
               f"{tokenizer.decode(record['ids'])}{text}")
+
 
 if __name__ == "__main__":
     main()

@@ -22,7 +22,7 @@ episode (the one past it is refused, and an episode whose rollout then raises en
 --agent_timeout the seconds an episode spends outside model calls. A rollout that raises, returns no finite reward
 or never calls the model stops the run in one line (its traceback in <save_path>_agent_error.log).
 
-    python agent_server.py CHECKPOINT [--port 8000]       # the endpoint alone over a saved model, to debug an agent
+    python agent_server.py CHECKPOINT [--port 8000] [--bf16]  # the endpoint alone over a saved model (GPU if any)
     python agent_server.py CHECKPOINT --agent FILE --dataset F [--max_samples 4]   # ...and run FILE's rollout on F
 """
 
@@ -520,7 +520,8 @@ class Generate:
     @torch.no_grad()
     def sample(self, records, temperature, max_new_tokens, top_p=1.0):
         tok, eos = self.tokenizer, self.tokenizer.eos_token_id
-        batch = tok.pad({"input_ids": [list(r["ids"]) for r in records]}, padding_side="left", return_tensors="pt")
+        batch = tok.pad({"input_ids": [list(r["ids"]) for r in records]}, padding_side="left",
+                        return_tensors="pt").to(self.model.device)
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else \
             dict(do_sample=False)
         with common.sampling_as_asked(self.model):  # nothing from the checkpoint's generation_config.json
@@ -530,7 +531,7 @@ class Generate:
         for row, budget in zip(seqs[:, batch["input_ids"].size(1):], max_new_tokens):
             row = row[:budget]
             stop = (row == eos).nonzero()
-            out.append(row[:stop[0, 0] + 1] if len(stop) else row)
+            out.append((row[:stop[0, 0] + 1] if len(stop) else row).cpu())
         return {"responses": out, "logprobs": None, "version": None}
 
 
@@ -571,15 +572,19 @@ def main():
     p.add_argument("--label_key", default=None)
     p.add_argument("--max_samples", type=int, default=4)
     p.add_argument("--temperature", type=float, default=1.0, help="with --agent: the sampling temperature")
+    p.add_argument("--bf16", action="store_true", help="the policy's weights in bf16 (on the GPU where there is one)")
     args = p.parse_args()
-    args.apply_chat_template, args.bf16, args.top_p = True, False, 1.0
+    args.apply_chat_template, args.top_p, args.flash_attn, args.load_in_4bit = True, 1.0, False, False
+    if args.bf16:
+        common.warn_if_slow_bf16()
     tokenizer = common.load_tokenizer(args.checkpoint, args)
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, trust_remote_code=args.trust_remote_code).eval()
+    model = common.load_model(args.checkpoint, args, tokenizer, trainable=False,  # the training scripts' rules
+                              device_map="cuda" if torch.cuda.is_available() else None).eval()
     generate = Generate(model, tokenizer)
     if args.agent is None:
         endpoint = Endpoint(tokenizer, args.generate_max_len, host=args.host, port=args.port)
-        console.print(f"serving {args.checkpoint} as {SERVED!r} on {endpoint.url}/v1", markup=False)
+        console.print(f"serving {args.checkpoint} as {SERVED!r} ({model.dtype}, {model.device}) on {endpoint.url}/v1",
+                      markup=False)
         serve(endpoint, generate)
     if args.dataset is None:
         fail("--agent needs --dataset: the records its rollout is run on")

@@ -354,11 +354,11 @@ def test_an_episodes_samples_share_its_group_advantage():
 
 # ---------------------------------------------------------------------- the endpoint alone, over a checkpoint
 def test_the_template_agent_runs_unchanged_against_a_saved_policy(policy, toy_world, tmp_path):
-    """`python agent_server.py CHECKPOINT` serves the policy; toy_chat_agent.py's rollout, imported as is, runs
-    against it with a stock openai client and gets a 0/1 reward; --agent runs it on dataset records and prints each
-    episode with what the policy sampled in brackets."""
+    """`python agent_server.py CHECKPOINT --bf16` serves the policy in bf16; toy_chat_agent.py's rollout, imported as
+    is, runs against it with a stock openai client and gets a 0/1 reward; --agent runs it on dataset records and
+    prints each episode with what the policy sampled in brackets."""
     port = common.free_port()
-    server = subprocess.Popen([sys.executable, ROOT / "agent_server.py", policy, "--port", str(port),
+    server = subprocess.Popen([sys.executable, ROOT / "agent_server.py", policy, "--port", str(port), "--bf16",
                                "--tokenizer_chat_template", toy_world / "plain_chat.jinja", "--generate_max_len", "16"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -367,7 +367,7 @@ def test_the_template_agent_runs_unchanged_against_a_saved_policy(policy, toy_wo
         while "serving" not in line:
             line = server.stdout.readline()
             assert line or server.poll() is None, "the server exited"
-        assert f"http://127.0.0.1:{port}/v1" in line
+        assert f"(torch.bfloat16, cpu) on http://127.0.0.1:{port}/v1" in line, line
         sys.path.insert(0, str(ROOT))
         import toy_chat_agent
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")

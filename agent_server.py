@@ -17,10 +17,11 @@ sampled that is not the canonical one); an episode's samples share its reward (g
 Rounds: the calls waiting for the model go to the engine together once every live episode has one waiting (or the
 oldest has waited ROUND_WAIT s), at the run's --temperature and --top_p (a request's own are ignored, with one
 warning; `python agent_server.py CHECKPOINT` honours them). Each sample gets --generate_max_len tokens after its
-first prompt; a call with none left is answered empty with finish_reason "length". --max_turns bounds the calls per
-episode (the one past it is refused, and an episode whose rollout then raises ends truncated with reward 0),
---agent_timeout the seconds an episode spends outside model calls. A rollout that raises, returns no finite reward
-or never calls the model stops the run in one line (its traceback in <save_path>_agent_error.log).
+first prompt; a call with none left is answered empty with finish_reason "length", and one more is refused (409).
+--max_turns bounds the calls per episode (the one past it is refused; an episode whose rollout raises on a refusal
+ends truncated with reward 0), --agent_timeout the seconds an episode spends outside model calls. A rollout that
+raises, returns no finite reward or never calls the model stops the run in one line (its traceback in
+<save_path>_agent_error.log).
 
     python agent_server.py CHECKPOINT [--port 8000] [--bf16]  # the endpoint alone over a saved model (GPU if any)
     python agent_server.py CHECKPOINT --agent FILE --dataset F [--max_samples 4]   # ...and run FILE's rollout on F
@@ -137,6 +138,7 @@ class Trajectory:
     logprobs: list = field(default_factory=list)
     stopped: bool = False  # its last completion ended at EOS
     busy: bool = False  # a call continuing it waits for the model
+    spent: bool = False  # a call found no tokens left and was answered empty
 
     def extend(self, between, completion, logprobs, stopped):
         self.tokens += between + completion
@@ -155,7 +157,7 @@ class Episode:
     env: float = 0.0  # seconds spent outside model calls (--agent_timeout), up to `mark`
     mark: float = field(default_factory=time.time)  # when it last stopped waiting for the model
     ended: bool = False
-    refused: bool = False  # a call past --max_turns was refused
+    refused: bool = False  # a call was refused with a 409 (past --max_turns, or past its sample's tokens)
     truncated: bool = False
     result: object = None
     error: BaseException = None
@@ -250,8 +252,12 @@ class Endpoint:
                                    f"{self.prompt_max_len}")
             used = len(prompt) - len(trajectory.prompt) if trajectory else 0
             budget = min(fields["max_tokens"] or math.inf, self.max_len - used)
-            if budget <= 0:  # its sample has no room left: answered empty, the episode truncated
+            if budget <= 0:  # its sample has no room left: answered empty, the episode truncated; then refused
                 trajectory.busy, e.truncated = False, True
+                if trajectory.spent:  # (an agent that asks again would get empty replies until --agent_timeout)
+                    e.refused = True
+                    raise Refused(409, f"this episode's sample has used its --generate_max_len {self.max_len} tokens")
+                trajectory.spent = True
                 return self.response([([], [], "length")] * fields["n"], prompt, fields)
             call = Call(e, prompt, fields, int(budget), trajectory, loop.create_future(), loop)
             self.pending.append(call)
@@ -482,9 +488,9 @@ class ChatAgentEngine:
         return out
 
     def reward(self, e):
-        """An ended episode's (reward, extra logs); one past --max_turns whose rollout raised: truncated, 0."""
+        """An ended episode's (reward, extra logs); one whose rollout raised on a refusal (409): truncated, 0."""
         if e.error is not None:
-            if e.refused and type(e.error).__name__ == "ConflictError":  # openai's 409: a call past --max_turns
+            if e.refused and type(e.error).__name__ == "ConflictError":  # openai's 409: the refusal, not a bug
                 e.truncated = True
                 return 0.0, {}
             self.broken(f"raised {type(e.error).__name__}: {e.error}", e)

@@ -154,10 +154,22 @@ def test_what_is_trained_is_what_was_sampled(family, reply, tmp_path):
     assert logs["calls"].tolist() == [2.0] * len(expected)  # the rollout's own numbers, logged
 
 
+ASKS_AGAIN = '''
+async def rollout(client, record):
+    messages = [{"role": "user", "content": record["prompt"]}]
+    while True:  # until a reply ends for a reason other than its length
+        reply = (await client.chat.completions.create(model="policy", messages=messages)).choices[0]
+        if reply.finish_reason != "length":
+            return 1.0
+        messages += [{"role": "assistant", "content": reply.message.content}, {"role": "user", "content": "Go on."}]
+'''
+
+
 def test_calls_of_many_episodes_share_rounds_and_budgets(plain, tmp_path):
     """Three episodes: their first calls go to the engine in one round, their second in another; a sample gets
     --generate_max_len tokens after its first prompt, so a call continuing it gets what is left, and one with none
-    left is answered empty with finish_reason "length" (the episode truncated, not stopped)."""
+    left is answered empty with finish_reason "length" (the episode truncated, not stopped). A call after that
+    empty reply is refused (409): an agent that asks again ends truncated with reward 0, not at --agent_timeout."""
     tok, engine = plain, Scripted(plain, ["?", "52"])
     path = agent_file(tmp_path, TWO_CALLS)
     rows = [("07+x=", str(tmp_path / f"m{i}.json")) for i in range(3)]
@@ -171,6 +183,12 @@ def test_calls_of_many_episodes_share_rounds_and_budgets(plain, tmp_path):
                                        tok).sample(records(*rows[:1]), 1.0)
     assert out["stopped"] == [False] and out["agent_rewards"]["logs"]["truncated"].tolist() == [1.0]
     assert out["agent_rewards"]["rewards"].tolist() == [0.0]  # the second reply was empty
+    engine = Scripted(tok, ["?"])  # an agent that asks until it is answered: one empty reply, then a 409
+    out = agent_server.ChatAgentEngine(engine, server_args(agent_file(tmp_path, ASKS_AGAIN, "again.py"), tmp_path,
+                                                           generate_max_len=1), tok).sample(records(*rows[:1]), 1.0)
+    logs = out["agent_rewards"]["logs"]
+    assert len(engine.calls) == 1 and logs["turns"].tolist() == [3.0] and logs["truncated"].tolist() == [1.0]
+    assert out["agent_rewards"]["rewards"].tolist() == [0.0]
 
 
 # --------------------------------------------------------------------------------------------- the endpoint

@@ -144,7 +144,7 @@ class Trajectory:
         self.tokens += between + completion
         self.mask += [0] * len(between) + [1] * len(completion)
         self.logprobs += [0.0] * len(between) + logprobs
-        self.stopped, self.busy = stopped, False
+        self.stopped, self.busy, self.spent = stopped, False, False  # (a shorter call found room again)
 
 
 @dataclass
@@ -541,6 +541,7 @@ class Generate:
         return {"responses": out, "logprobs": None, "version": None}
 
 
+@torch.no_grad()
 def serve(endpoint, generate):
     """Answer calls one at a time, each at its own sampling fields, until interrupted."""
     while True:

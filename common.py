@@ -784,13 +784,16 @@ def chunked(model, fn, *rows):
     checkpoint, so backward makes its logits again and autograd keeps none: the [tokens, V] logits never exist (and
     whatever changes the model, an adapter switch or a device move, must last until after backward).
     Under ZeRO-3 each call of `model`'s output layer gathers it by a collective, so every rank makes as many calls:
-    a rank with fewer chunks than another runs empty ones. And as many as the most any call made before: DeepSpeed
-    records the order of module calls from one forward to the next and prefetches along it, and a call count that
-    changes with the batch's token count would void that record (no prefetching, and a gather per chunk)."""
+    a rank with fewer chunks than another runs empty ones. And as many as the most any call of its kind (with or
+    without a graph) made before: DeepSpeed records the order of module calls from one forward to the next and
+    prefetches along it, and a call count that changes with the batch's token count would void that record (no
+    prefetching, and a gather per chunk). Training and no-grad passes (larger rollout batches) keep their own counts."""
     chunks, inner = list(zip(*(r.split(LOGPROB_CHUNK) for r in rows))), unwrap(model)
     if any(hasattr(p, "ds_id") for p in inner.get_output_embeddings().parameters()):  # ZeRO-3 partitioned
-        inner._most_chunks = int(all_reduce_max([max(len(chunks), getattr(inner, "_most_chunks", 0))])[0])
-        chunks += [tuple(r[:0] for r in rows)] * (inner._most_chunks - len(chunks))
+        most = inner.__dict__.setdefault("_most_chunks", {})
+        kind = torch.is_grad_enabled()
+        most[kind] = int(all_reduce_max([max(len(chunks), most.get(kind, 0))])[0])
+        chunks += [tuple(r[:0] for r in rows)] * (most[kind] - len(chunks))
     outs = [checkpoint(fn, *chunk, use_reentrant=False) if torch.is_grad_enabled() else fn(*chunk) for chunk in chunks]
     return [None if o[0] is None else torch.cat(o) for o in zip(*outs)]
 

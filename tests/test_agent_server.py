@@ -385,12 +385,17 @@ def test_the_template_agent_runs_unchanged_against_a_saved_policy(policy, toy_wo
         while "serving" not in line:
             line = server.stdout.readline()
             assert line or server.poll() is None, "the server exited"
-        assert f"(torch.bfloat16, cpu) on http://127.0.0.1:{port}/v1" in line, line
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        assert f"(torch.bfloat16, {device}) on http://127.0.0.1:{port}/v1" in line, line
         sys.path.insert(0, str(ROOT))
         import toy_chat_agent
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         out = asyncio.run(toy_chat_agent.rollout(client, {"prompt": "07+x=", "label": "45"}))
         assert out["reward"] in (0.0, 1.0) and set(out) == {"reward", "asked", "accuracy"}
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "1+"}],
+                                               logprobs=True, max_tokens=4).choices[0]
+        assert 1 <= len(reply.logprobs.content) <= 4 and all(-50 < t.logprob <= 0 for t in reply.logprobs.content)
     finally:
         server.terminate()
         server.wait(30)

@@ -290,8 +290,8 @@ def test_zero3_ranks_with_different_chunk_counts_stay_in_step(toy_world, tmp_pat
 
 def test_ranks_padding_empty_chunks_change_nothing(checkpoints, monkeypatch):
     """The ZeRO-3 path of common.chunked in one process: the output layer marked partitioned and the other ranks'
-    chunk count faked two higher, so this rank runs two empty chunks; log-probs, the entropy, SFT's loss and GKD's
-    loss and gradients are those of the plain run, and finite."""
+    chunk count faked two higher than this rank asks (its own, or the high-water mark: 2, then more empty chunks a
+    call); log-probs, the entropy, SFT's loss and GKD's loss and gradients are those of the plain run, and finite."""
     monkeypatch.setattr(common, "LOGPROB_CHUNK", 3)
     model, teacher = load(checkpoints["toy"]), load(checkpoints["toy"])
     teacher.requires_grad_(False)
@@ -314,6 +314,33 @@ def test_ranks_padding_empty_chunks_change_nothing(checkpoints, monkeypatch):
     for got, want in zip(padded + list(padded_grads), plain + list(plain_grads)):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_zero3_chunk_counts_kept_per_kind(checkpoints, monkeypatch):
+    """Under ZeRO-3 a call runs as many output-layer chunks as the most its kind made before (DeepSpeed's recorded
+    module order stays valid): training calls pad to the training count, and a no-grad pass over more tokens (a
+    rollout's log-probs) keeps a count of its own instead of raising theirs."""
+    monkeypatch.setattr(common, "LOGPROB_CHUNK", 2)
+    monkeypatch.setattr(common, "all_reduce_max", lambda values: values)  # one rank
+    model = load(checkpoints["toy"])
+    head = model.get_output_embeddings()
+    head.weight.ds_id = 0  # what ZeRO-3 puts on a partitioned parameter
+    calls = []
+    head.register_forward_hook(lambda module, args, out: calls.append(len(args[0])))
+    hidden = torch.randn(9, model.config.hidden_size, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, model.config.vocab_size, (9,))
+
+    def chunks(n, grad):
+        calls.clear()
+        with torch.set_grad_enabled(grad):
+            common.token_logprobs(model, hidden[:n], tokens[:n])
+        return calls[:]
+
+    assert chunks(6, True) == [2, 2, 2]
+    assert chunks(3, True) == [2, 1, 0]
+    assert chunks(9, False) == [2, 2, 2, 2, 1]
+    assert chunks(2, True) == [2, 0, 0]
+    assert chunks(1, False) == [1, 0, 0, 0, 0]
 
 
 def test_fused_nll_in_bf16_and_with_a_frozen_head(checkpoints):

@@ -488,9 +488,10 @@ class ChatAgentEngine:
         return out
 
     def reward(self, e):
-        """An ended episode's (reward, extra logs); one whose rollout raised on a refusal (409): truncated, 0."""
+        """An ended episode's (reward, extra logs); one whose rollout raised on this endpoint's 409: truncated, 0."""
         if e.error is not None:
-            if e.refused and type(e.error).__name__ == "ConflictError":  # openai's 409: the refusal, not a bug
+            url = str(getattr(getattr(e.error, "request", None), "url", ""))  # (not another service's 409)
+            if e.refused and type(e.error).__name__ == "ConflictError" and url.startswith(self.endpoint.url):
                 e.truncated = True
                 return 0.0, {}
             self.broken(f"raised {type(e.error).__name__}: {e.error}", e)

@@ -164,12 +164,29 @@ async def rollout(client, record):
         messages += [{"role": "assistant", "content": reply.message.content}, {"role": "user", "content": "Go on."}]
 '''
 
+JUDGE_BUSY = '''
+import httpx
+import openai
+
+
+async def rollout(client, record):
+    messages = [{"role": "user", "content": record["prompt"]}]
+    while True:
+        try:
+            reply = (await client.chat.completions.create(model="policy", messages=messages)).choices[0]
+        except openai.ConflictError:  # the endpoint's 409, then one from a service of its own
+            response = httpx.Response(409, request=httpx.Request("POST", "http://judge.invalid/score"))
+            raise openai.ConflictError("the judge is busy", response=response, body=None)
+        messages += [{"role": "assistant", "content": reply.message.content}, {"role": "user", "content": "Go on."}]
+'''
+
 
 def test_calls_of_many_episodes_share_rounds_and_budgets(plain, tmp_path):
     """Three episodes: their first calls go to the engine in one round, their second in another; a sample gets
     --generate_max_len tokens after its first prompt, so a call continuing it gets what is left, and one with none
     left is answered empty with finish_reason "length" (the episode truncated, not stopped). A call after that
-    empty reply is refused (409): an agent that asks again ends truncated with reward 0, not at --agent_timeout."""
+    empty reply is refused (409): an agent that asks again ends truncated with reward 0, not at --agent_timeout; a 409
+    from elsewhere (the agent's own service) stops the run as any error does."""
     tok, engine = plain, Scripted(plain, ["?", "52"])
     path = agent_file(tmp_path, TWO_CALLS)
     rows = [("07+x=", str(tmp_path / f"m{i}.json")) for i in range(3)]
@@ -189,6 +206,10 @@ def test_calls_of_many_episodes_share_rounds_and_budgets(plain, tmp_path):
     logs = out["agent_rewards"]["logs"]
     assert len(engine.calls) == 1 and logs["turns"].tolist() == [3.0] and logs["truncated"].tolist() == [1.0]
     assert out["agent_rewards"]["rewards"].tolist() == [0.0]
+    with pytest.raises(SystemExit, match="raised ConflictError: the judge is busy"):  # a 409 of its own: a bug
+        agent_server.ChatAgentEngine(Scripted(tok, ["?"]), server_args(agent_file(tmp_path, JUDGE_BUSY, "busy.py"),
+                                                                       tmp_path, generate_max_len=1),
+                                     tok).sample(records(*rows[:1]), 1.0)
 
 
 # --------------------------------------------------------------------------------------------- the endpoint

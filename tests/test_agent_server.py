@@ -164,20 +164,14 @@ async def rollout(client, record):
         messages += [{"role": "assistant", "content": reply.message.content}, {"role": "user", "content": "Go on."}]
 '''
 
-JUDGE_BUSY = '''
-import httpx
-import openai
-
+JUDGE_BUSY = "import httpx\nimport openai\n" + ASKS_AGAIN.replace("def rollout", "def asks_again") + '''
 
 async def rollout(client, record):
-    messages = [{"role": "user", "content": record["prompt"]}]
-    while True:
-        try:
-            reply = (await client.chat.completions.create(model="policy", messages=messages)).choices[0]
-        except openai.ConflictError:  # the endpoint's 409, then one from a service of its own
-            response = httpx.Response(409, request=httpx.Request("POST", "http://judge.invalid/score"))
-            raise openai.ConflictError("the judge is busy", response=response, body=None)
-        messages += [{"role": "assistant", "content": reply.message.content}, {"role": "user", "content": "Go on."}]
+    try:
+        return await asks_again(client, record)
+    except openai.ConflictError:  # the endpoint's 409, then one from a service of its own
+        response = httpx.Response(409, request=httpx.Request("POST", "http://judge.invalid/score"))
+        raise openai.ConflictError("the judge is busy", response=response, body=None)
 '''
 
 

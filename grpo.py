@@ -976,9 +976,6 @@ def check_rl_options(args):
     for option in ("enable_prefix_caching", "enforce_eager", "vllm_gpu_memory_utilization"):
         if getattr(args, option) not in (None, False) and not (args.vllm or args.ray):
             fail(f"--{option} is a vLLM option: add --vllm or --ray")
-    if args.vllm or args.ray:
-        import engines
-        engines.check_options(args)
     if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
         fail("--eval_n_samples_per_prompt > 1 needs --eval_temperature > 0 (greedy completions are identical)")
     if args.agent_func_path:  # the file is read before any model loads: a broken one stops the run at once
@@ -997,6 +994,9 @@ def check_rl_options(args):
         engines.check_rollout_correction(args)
     else:  # HF generate samples from the trainer's own policy: nothing to correct
         args.rollout_correction = None
+    if args.vllm or args.ray:  # last: on a CPU it imports vLLM (seconds) for the head sizes its attention takes
+        import engines
+        engines.check_options(args)
 
 
 def parse_args():
@@ -1051,10 +1051,10 @@ def parse_args():
     if args.overlong_buffer_len >= args.generate_max_len:
         fail(f"--overlong_buffer_len {args.overlong_buffer_len} must be below --generate_max_len "
              f"{args.generate_max_len}")
-    check_rl_options(args)
     if args.async_steps and args.dynamic_filtering:  # its extra rounds would wait on batches not yet allowed
         fail("--dynamic_filtering draws as many batches as a step needs, --async_steps samples a fixed "
              "number ahead: use one of them")
+    check_rl_options(args)
     return args
 
 

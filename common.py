@@ -783,11 +783,13 @@ def chunked(model, fn, *rows):
     None). fn makes a chunk's logits from hidden states and reduces them; with a graph each chunk runs under
     checkpoint, so backward makes its logits again and autograd keeps none: the [tokens, V] logits never exist (and
     whatever changes the model, an adapter switch or a device move, must last until after backward).
-    Under ZeRO-3 each output-layer call gathers it by a collective, so every rank makes as many calls (empty chunks
-    pad the shorter), and as many as the most its kind (training, no-grad) made before: DeepSpeed prefetches along
-    the order of module calls it recorded, which a count changing with the batch's token count would void."""
+    Under ZeRO-3 each output-layer call gathers it by a collective (not a frozen one: output_layer reads that from
+    one gathered copy), so every rank makes as many calls (empty chunks pad the shorter), and as many as the most its
+    kind (training, no-grad) made before: DeepSpeed prefetches along the order of module calls it recorded, which a
+    count changing with the batch's token count would void."""
     chunks, inner = list(zip(*(r.split(LOGPROB_CHUNK) for r in rows))), unwrap(model)
-    if any(hasattr(p, "ds_id") for p in inner.get_output_embeddings().parameters()):  # ZeRO-3 partitioned
+    params = list(inner.get_output_embeddings().parameters())
+    if any(hasattr(p, "ds_id") for p in params) and any(p.requires_grad for p in params):  # a ZeRO-3 module call
         most, kind = inner.__dict__.setdefault("_most_chunks", {}), torch.is_grad_enabled()
         most[kind] = int(all_reduce_max([max(len(chunks), most.get(kind, 0))])[0])
         chunks += [tuple(r[:0] for r in rows)] * (most[kind] - len(chunks))

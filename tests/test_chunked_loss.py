@@ -242,6 +242,8 @@ engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in mode
                                       "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
 assert hasattr(engine.module.get_output_embeddings().weight, "ds_id")  # partitioned
 common.LOGPROB_CHUNK = 2
+reductions, reduce_max = [], common.all_reduce_max
+common.all_reduce_max = lambda values: reductions.append(1) or reduce_max(values)
 for step in range(2):  # rank 0: 3 tokens (2 chunks); rank 1: 9 tokens (5 chunks), then the other way round
     n = 4 + 6 * (rank ^ step)
     ids = torch.arange(5, 5 + n)[None]
@@ -267,6 +269,7 @@ if sys.argv[3] == "trained":  # SFT-like steps whose token counts change (the sa
         engine.backward(common.token_nll_sum(engine, hidden[0, :-1], ids[0, 1:]))
         engine.step()
     print(f"rank {rank}: {len(invalidations)} trace invalidations", flush=True)
+print(f"rank {rank}: {len(reductions)} chunk-count reductions", flush=True)
 print(f"rank {rank}: ok", flush=True)
 '''
 
@@ -275,8 +278,8 @@ print(f"rank {rank}: ok", flush=True)
 def test_zero3_ranks_with_different_chunk_counts_stay_in_step(toy_world, tmp_path, head):
     """Under ZeRO-3 every call of the output layer gathers it by a collective: ranks with different numbers of
     chunks (here 2 and 5) must still make as many calls, forward and backward, or the run hangs. A frozen output
-    layer (LoRA) is read from a gathered copy: backward's recompute would find the partitioned one released.
-    Steps whose token counts differ make as many output-layer calls as the most any step made before (5 chunks
+    layer (LoRA) is read from a gathered copy (backward's recompute would find the partitioned one released), with
+    no collective a chunk: no padding, no chunk count to agree on. Steps whose token counts differ make as many output-layer calls as the most any step made before (5 chunks
     here), so DeepSpeed's recorded order of module calls, which it prefetches along, stays valid."""
     from conftest import ROOT, run_script
 
@@ -286,6 +289,8 @@ def test_zero3_ranks_with_different_chunk_counts_stay_in_step(toy_world, tmp_pat
     assert proc.stdout.count(": ok") == 2
     if head == "trained":
         assert proc.stdout.count(": 0 trace invalidations") == 2, proc.stdout
+    else:
+        assert proc.stdout.count(": 0 chunk-count reductions") == 2, proc.stdout
 
 
 def test_ranks_padding_empty_chunks_change_nothing(checkpoints, monkeypatch):

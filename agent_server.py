@@ -255,7 +255,7 @@ class Endpoint:
             if budget <= 0:  # its sample has no room left: answered empty, the episode truncated; then refused
                 trajectory.busy, e.truncated = False, True
                 if trajectory.spent:  # (an agent that asks again would get empty replies until --agent_timeout)
-                    e.refused = True
+                    e.refused, e.calls = True, e.calls - 1  # refused: not a turn, as past --max_turns
                     raise Refused(409, f"this episode's sample has used its --generate_max_len {self.max_len} tokens")
                 trajectory.spent = True
                 return self.response([([], [], "length")] * fields["n"], prompt, fields)
@@ -491,7 +491,8 @@ class ChatAgentEngine:
         """An ended episode's (reward, extra logs); one whose rollout raised on this endpoint's 409: truncated, 0."""
         if e.error is not None:
             url = str(getattr(getattr(e.error, "request", None), "url", ""))  # (not another service's 409)
-            if e.refused and type(e.error).__name__ == "ConflictError" and url.startswith(self.endpoint.url):
+            ours = url.startswith(f"{self.endpoint.url}/episodes/{e.key}/")
+            if e.refused and type(e.error).__name__ == "ConflictError" and ours:
                 e.truncated = True
                 return 0.0, {}
             self.broken(f"raised {type(e.error).__name__}: {e.error}", e)
@@ -570,16 +571,18 @@ def main():
                                             "(--agent FILE: run its rollout on --dataset's records)")
     p.add_argument("checkpoint")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--generate_max_len", type=int, default=1024, help="completion tokens of a call at most")
+    p.add_argument("--port", type=common.ranged(int, 0, 65535), default=8000)
+    p.add_argument("--generate_max_len", type=common.ranged(int, 1), default=1024,
+                   help="completion tokens of a call at most")
     p.add_argument("--tokenizer_chat_template", default=None, help="a Jinja chat template (text or file)")
     p.add_argument("--trust_remote_code", action="store_true")
     p.add_argument("--agent", default=None, help="a file with async def rollout(client, record) to run")
     p.add_argument("--dataset", default=None, help="with --agent: a .jsonl file of records")
     p.add_argument("--input_key", default="input")
     p.add_argument("--label_key", default=None)
-    p.add_argument("--max_samples", type=int, default=4)
-    p.add_argument("--temperature", type=float, default=1.0, help="with --agent: the sampling temperature")
+    p.add_argument("--max_samples", type=common.ranged(int, 1), default=4)
+    p.add_argument("--temperature", type=common.ranged(float, 0, lo_open=True), default=1.0,
+                   help="with --agent: the sampling temperature")
     p.add_argument("--bf16", action="store_true", help="the policy's weights in bf16 (on the GPU where there is one)")
     args = p.parse_args()
     args.apply_chat_template, args.top_p, args.flash_attn, args.load_in_4bit = True, 1.0, False, False

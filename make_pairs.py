@@ -60,7 +60,7 @@ def load_prompts(source, split, tokenizer, args, max_samples=None):
     the --label_key value, the --input_key value as the dataset has it; prompts longer than --prompt_max_len are
     dropped (counted)."""
     keys = [args.input_key] + ([args.label_key] if args.label_key else [])
-    records = common.load_records(source, split, keys, max_samples, seed=args.seed)
+    records = common.load_records(source, split, keys, max_samples, seed=args.seed, text_keys=keys[:1])
     out = []
     for r in records:
         text = common.format_prompt(r[args.input_key], tokenizer, args)

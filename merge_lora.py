@@ -43,7 +43,7 @@ def main():
     load_args = argparse.Namespace(bf16=False, flash_attn=False, load_in_4bit=False,
                                    trust_remote_code=args.trust_remote_code)
     tokenizer = common.load_tokenizer(args.lora_path, load_args)  # saved with the adapter
-    kwargs = dict(model_class=AutoModelForSequenceClassification, num_labels=1) if args.is_rm else \
+    kwargs = dict(model_class=AutoModelForSequenceClassification, num_labels=1, new_head=True) if args.is_rm else \
         dict(model_class=AutoModelForCausalLM)
     base = common.load_model(args.model_path, load_args, tokenizer, trainable=False, **kwargs)
     with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated alias; nothing of ours to change

@@ -65,7 +65,7 @@ def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
     """RL prompts -> {"ids": tokenized as generation sees it, "text", "label": the --label_key value, "input": the
     --input_key value as the dataset has it}; prompts longer than --prompt_max_len are dropped (counted)."""
     keys = [args.input_key] + ([args.label_key] if args.label_key else [])
-    records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed)
+    records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed, text_keys=keys[:1])
     out = []
     for r in records:
         text = common.format_prompt(r[args.input_key], tokenizer, args)
@@ -729,7 +729,7 @@ def main():
     common.disable_dropout(model)  # the policy and the reference compared as the same function
     actor = setup_deepspeed(model, args, cfg, total_steps * updates * args.max_epochs)
     reference = load_reference(actor, args, tokenizer, cfg)
-    start_step, state = common.load_checkpoint(actor, args)
+    start_step, state = common.load_checkpoint(actor, args, total_steps)
     reward = reward_fn(args, tokenizer, cfg, client)  # f(batch) -> named result
     if vllm:  # vLLM engines fed the policy's weights, and again after every step (engines.py)
         import engines

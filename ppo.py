@@ -111,7 +111,7 @@ def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
     """RL prompts -> {"ids": the prompt's tokens as generation sees them, "text", "label": the --label_key value,
     "input": the --input_key value as in the dataset}; prompts over --prompt_max_len are dropped (and counted)."""
     keys = [args.input_key] + ([args.label_key] if args.label_key else [])
-    records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed)
+    records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed, text_keys=keys[:1])
     out = []
     for r in records:
         text = common.format_prompt(r[args.input_key], tokenizer, args)
@@ -654,7 +654,7 @@ def load_critic(args, tokenizer, cfg, num_training_steps):
     off, init_value_head, DeepSpeed at --critic_learning_rate."""
     path = args.critic_pretrain or args.reward_pretrain or args.pretrain
     model = common.load_model(path, args, tokenizer, cfg, model_class=AutoModelForSequenceClassification,
-                              num_labels=1)
+                              new_head=True, num_labels=1)  # (a head init_value_head starts, on a causal LM only)
     common.disable_dropout(model)
     init_value_head(model, path, args)
     return setup_deepspeed(model, args, cfg, num_training_steps, learning_rate=args.critic_learning_rate,
@@ -967,7 +967,7 @@ def main():
     offload = args.ref_reward_offload  # whole frozen models on the CPU (partitions under ZeRO-3), moved for each use
     ref = common.load_frozen(args.pretrain, args, tokenizer, cfg, offload) if args.init_kl_coef > 0 else None
     reward = reward_fn(args, tokenizer, cfg, client, offload, args.normalize_reward)  # f(batch) -> named result
-    start_step, state = common.load_checkpoint(actor, args, others={"critic": critic})
+    start_step, state = common.load_checkpoint(actor, args, total_steps, others={"critic": critic})
     kl_coef = state.get("kl_coef", args.init_kl_coef)
     actor_version = lambda step: max(step - max(args.freezing_actor_steps, 0), 0)  # noqa: E731  (actor updates so far)
     engine = start_engine(args, actor.module, tokenizer, actor_version(start_step))

@@ -433,7 +433,7 @@ def main():
 
     def tokenize(source, split, max_samples=None, probs=None):
         records, where = common.load_records(source, split, keys, max_samples, with_locations=True, probs=probs,
-                                             seed=args.seed)
+                                             seed=args.seed, text_keys=keys[:1])
         samples = [tokenize_sample(r, w, tokenizer, placeholder_id, args.reward_tokens, reward_ids, args)
                    for r, w in zip(records, where)]
         kept = [s for s in samples if s is not None]
@@ -455,7 +455,7 @@ def main():
     enable_router_loss(model, args.aux_loss_coef)
     total_steps = len(train) // args.train_batch_size * args.max_epochs
     engine = setup_deepspeed(model, args, cfg, total_steps)
-    start_step, _ = common.load_checkpoint(engine, args)
+    start_step, _ = common.load_checkpoint(engine, args, total_steps)
     logger = common.Logger(args, total_steps, start_step)
 
     # 3. train: one optimizer step per --train_batch_size samples; log, save, eval

@@ -298,6 +298,7 @@ def main():
     # 2. data: (chosen, rejected, margin), each prompt + response ending in EOS, where the reward is read
     tokenizer = common.load_tokenizer(args.pretrain, args)
     keys = [k for k in (args.input_key, args.chosen_key, args.rejected_key, args.margin_key) if k]
+    texts = [k for k in keys if k != args.margin_key]
 
     def tokenize(records, locations):
         return [(tokenize_response(r, args.chosen_key, tokenizer, args, where),
@@ -305,15 +306,18 @@ def main():
                  float(r[args.margin_key]) if args.margin_key else 0.0) for r, where in zip(records, locations)]
 
     train = tokenize(*common.load_records(args.dataset, args.dataset_split, keys, args.max_samples,
-                                          with_locations=True, probs=args.dataset_probs, seed=args.seed))
+                                          with_locations=True, probs=args.dataset_probs, seed=args.seed,
+                                          text_keys=texts))
     if len(train) < args.train_batch_size:
         common.fail(f"{args.dataset}: {len(train)} pairs, fewer than --train_batch_size {args.train_batch_size}")
-    eval_data = tokenize(*common.load_records(args.eval_dataset, args.eval_split, keys, with_locations=True)) \
+    eval_data = tokenize(*common.load_records(args.eval_dataset, args.eval_split, keys, with_locations=True,
+                                              text_keys=texts)) \
         if args.eval_dataset else []
 
     # 3. model (a one-output score head) and DeepSpeed engine, resumed with --load_checkpoint
     cfg = ds_config(args)
-    model = common.load_model(args.pretrain, args, tokenizer, cfg, AutoModelForSequenceClassification, num_labels=1)
+    model = common.load_model(args.pretrain, args, tokenizer, cfg, AutoModelForSequenceClassification, new_head=True,
+                              num_labels=1)
     if not any(a.endswith("ForSequenceClassification") for a in AutoConfig.from_pretrained(
             args.pretrain, trust_remote_code=args.trust_remote_code).architectures or []):
         # a new head on a causal LM: small init, std 1/sqrt(H+1), so the first rewards are near 0
@@ -321,7 +325,7 @@ def main():
             torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.config.hidden_size + 1))
     total_steps = len(train) // args.train_batch_size * args.max_epochs
     engine = setup_deepspeed(model, args, cfg, total_steps)
-    start_step, _ = common.load_checkpoint(engine, args)
+    start_step, _ = common.load_checkpoint(engine, args, total_steps)
     logger = common.Logger(args, total_steps, start_step)
 
     # 4. train on the pairwise loss: one optimizer step per --train_batch_size pairs; log, save, eval

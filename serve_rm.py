@@ -58,7 +58,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError, model_validator
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import common
 
@@ -240,6 +240,12 @@ def load(args):
     tokenizer = common.load_tokenizer(args.reward_pretrain, args)
     kwargs = {"model_class": AutoModelForSequenceClassification, "num_labels": 1} if args.rm_type == "seq_cls" \
         else {"model_class": AutoModelForCausalLM}
+    if args.rm_type == "seq_cls":  # a causal LM has no score head: what would serve it
+        prm = getattr(AutoConfig.from_pretrained(args.reward_pretrain, trust_remote_code=args.trust_remote_code),
+                      "placeholder_token_id", None) is not None
+        kwargs["head_hint"] = ("it is a prm.py model: --rm_type prm serves it" if prm else "a reward model (rm.py's) "
+                               "is a sequence classifier; a causal LM scored by one token's logit: --rm_type "
+                               "causal_lm_token --reward_token_id ID; a prm.py model: --rm_type prm")
     if torch.cuda.is_available() and not args.load_in_4bit:  # bitsandbytes places 4-bit weights itself
         kwargs["device_map"] = "cuda"  # loaded straight onto the GPU, not first into CPU memory
     model = common.load_model(args.reward_pretrain, args, tokenizer, trainable=False, **kwargs).eval()

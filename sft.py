@@ -361,7 +361,7 @@ def main():
     keys = [args.input_key] if args.multiturn or args.pretrain_mode else [args.input_key, args.output_key]
     hint = None if args.multiturn else "for chat conversations: --multiturn --apply_chat_template --input_key KEY"
     records = common.load_records(args.dataset, args.dataset_split, keys, args.max_samples, probs=args.dataset_probs,
-                                  seed=args.seed, hint=hint)
+                                  seed=args.seed, hint=hint, text_keys=keys)
     train = [s for s in (tokenize_sample(r, tokenizer, args) for r in records) if s is not None]
     if len(train) < len(records) and common.is_rank0():
         common.console.print(f"dropped {len(records) - len(train)} samples whose prompt exceeds --max_len "
@@ -369,7 +369,8 @@ def main():
     if len(train) < args.train_batch_size:
         common.fail(f"{args.dataset}: {len(train)} usable samples, fewer than --train_batch_size "
                     f"{args.train_batch_size}")
-    eval_records = common.load_records(args.eval_dataset, args.eval_split, keys, hint=hint) if args.eval_dataset else []
+    eval_records = common.load_records(args.eval_dataset, args.eval_split, keys, hint=hint, text_keys=keys) \
+        if args.eval_dataset else []
     eval_data = [s for s in (tokenize_sample(r, tokenizer, args) for r in eval_records) if s is not None]
 
     # 3. model and DeepSpeed engine, resumed with --load_checkpoint
@@ -378,7 +379,7 @@ def main():
     enable_router_loss(model, args.aux_loss_coef)
     total_steps = len(train) // args.train_batch_size * args.max_epochs
     engine = setup_deepspeed(model, args, cfg, total_steps)
-    start_step, _ = common.load_checkpoint(engine, args)
+    start_step, _ = common.load_checkpoint(engine, args, total_steps)
     logger = common.Logger(args, total_steps, start_step)
 
     # 4. train: one optimizer step per --train_batch_size samples; log, save, eval

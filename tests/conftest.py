@@ -92,11 +92,13 @@ def run_main(script, *args, cwd=None, check=True):
     import contextlib
     import importlib
     import io
+    import signal
 
     import transformers
 
     module = importlib.import_module(Path(script).stem)
     env, cwd_before, argv, verbosity = dict(os.environ), os.getcwd(), sys.argv, transformers.logging.get_verbosity()
+    sigint = signal.getsignal(signal.SIGINT)  # parse_args sets the run's Ctrl-C handler: pytest's again after
     out, err = io.StringIO(), io.StringIO()
     try:
         os.chdir(cwd or cwd_before)
@@ -111,6 +113,7 @@ def run_main(script, *args, cwd=None, check=True):
         raise
     finally:
         sys.argv = argv
+        signal.signal(signal.SIGINT, sigint)
         os.chdir(cwd_before)
         os.environ.clear()
         os.environ.update(env)

@@ -291,3 +291,69 @@ def test_smollm2_without_its_packages_says_which(monkeypatch, tmp_path, missing,
     with pytest.raises(SystemExit, match=message):
         smollm2.ensure_smollm2(tmp_path / "model")
     assert not any(tmp_path.iterdir())
+
+
+def copy_model(src, dst, **config):
+    """A copy of a saved model whose config.json has `config` set (what another kind of checkpoint would say)."""
+    shutil.copytree(src, dst)
+    saved = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**saved, **config}))
+    return dst
+
+
+def test_serve_rm_refuses_a_causal_lm_as_a_sequence_classifier(toy_world, tmp_path):
+    """The issue's case: `serve_rm.py --reward_pretrain runs/sft` said ready and scored everything about -0.32 with a
+    random head. Now one line naming the missing head and the --rm_type that would serve it."""
+    line = one_line_error(run_script("serve_rm.py", "--reward_pretrain", toy_world / "model", "--port", 0,
+                                     check=False, timeout=120))
+    assert line == (f"error: {toy_world / 'model'} has no trained score head: its weights lack score.weight (saved as "
+                    "LlamaForCausalLM), so it would score with a random head; a reward model (rm.py's) is a sequence "
+                    "classifier; a causal LM scored by one token's logit: --rm_type causal_lm_token --reward_token_id "
+                    "ID; a prm.py model: --rm_type prm")
+    import serve_rm  # a prm.py model's config (placeholder_token_id): its load alone, here
+
+    prm = copy_model(toy_world / "model", tmp_path / "prm", placeholder_token_id=3)
+    args = argparse.Namespace(reward_pretrain=str(prm), rm_type="seq_cls", trust_remote_code=False, bf16=False,
+                              flash_attn=False, load_in_4bit=False, normalize_reward=False)
+    with pytest.raises(SystemExit) as e:
+        serve_rm.load(args)
+    assert str(e.value).endswith("so it would score with a random head; it is a prm.py model: --rm_type prm serves it")
+
+
+@pytest.mark.parametrize("script, flag", [("grpo.py", "--reward_pretrain"), ("ppo.py", "--reward_pretrain"),
+                                          ("online_dpo.py", "--reward_pretrain"), ("ppo.py", "--critic_pretrain")])
+def test_a_reward_model_or_critic_without_its_head_stops(toy_world, tmp_path, script, flag):
+    """A causal LM as --reward_pretrain has no trained head; a critic may start from one (its head is initialised on
+    purpose: init_value_head, as ppo.py runs without a reward model), but not from a classifier checkpoint that
+    lacks its head (here: config saying LlamaForSequenceClassification, weights without score.weight)."""
+    model = toy_world / "model"
+    if flag == "--critic_pretrain":
+        model = copy_model(model, tmp_path / "headless", architectures=["LlamaForSequenceClassification"])
+    reward = [] if flag == "--reward_pretrain" else ["--remote_rm_url", ROOT / "toy.py"]
+    line = one_line_error(run_main(script, flag, model, *reward, "--max_samples", 64, "--save_path", tmp_path / "out",
+                                   check=False))
+    saved_as = "LlamaForCausalLM" if flag == "--reward_pretrain" else "LlamaForSequenceClassification"
+    assert line == (f"error: {model} has no trained score head: its weights lack score.weight (saved as {saved_as}), "
+                    "so it would score with a random head; give a reward model (one rm.py saved)")
+
+
+@pytest.mark.parametrize("script, line, message", [
+    ("sft.py", b'{"input": 5, "output": "3"}', "'input' is 5, not text"),
+    ("sft.py", b'{"input": "1+2=", "output": ["3"]}', "'output' is [\"3\"], not text"),
+    ("rm.py", b'{"input": "1+2=", "chosen": {"text": "3"}, "rejected": "4"}', "'chosen' is {\"text\": \"3\"}, not text"),
+    ("dpo.py", b'{"input": [{"role": "user", "content": 1}], "chosen": "3", "rejected": "4"}',
+     "'input' is [{\"role\": \"user\", \"content\": 1}], not text"),
+    ("grpo.py", b'{"input": null, "label": "3"}', "missing key 'input'"),
+    ("grpo.py", b'{"input": true, "label": "3"}', "'input' is true, not text"),
+    ("sft.py", b'{"input": "1+2=", "output": "3 \xe9"}', "is not UTF-8 text (byte 0xe9): save the file as UTF-8"),
+])
+def test_data_of_the_wrong_type_or_bytes_names_file_and_line(toy_world, tmp_path, script, line, message):
+    """The issue's cases: a file that is not UTF-8 (a 24-line UnicodeDecodeError) and a record whose input is a number
+    (a TypeError from tokenize_sample) named neither file nor line. Now one line with both, the value and the key."""
+    good = b'{"input": "1+2=", "output": "3", "chosen": "3", "rejected": "4", "label": "3"}'
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(b"\n".join([good, good, line, good]) + b"\n")
+    flags = ["--dataset", data, "--save_path", tmp_path / "out"]
+    flags += ["--label_key", "label", "--remote_rm_url", ROOT / "toy.py"] if script == "grpo.py" else []
+    error = one_line_error(run_main(script, *flags, cwd=tmp_path, check=False))
+    assert error.startswith(f"error: {data}: line 3") and message in error, error

@@ -16,8 +16,10 @@ sampled that is not the canonical one); an episode's samples share its reward (g
 
 Rounds: the calls waiting for the model go to the engine together once every live episode has one waiting (or the
 oldest has waited ROUND_WAIT s), at the run's --temperature and --top_p (a request's own are ignored, with one
-warning; `python agent_server.py CHECKPOINT` honours them). Each sample gets --generate_max_len tokens after its
-first prompt; a call with none left is answered empty with finish_reason "length", and one more is refused (409).
+warning; `python agent_server.py CHECKPOINT` honours them). A request asks n <= 128 choices (OpenAI's bound); alone
+over a checkpoint, a prompt or prompt + max_tokens past the model's positions is refused (400), as OpenAI refuses one
+past a model's context. Each sample gets --generate_max_len tokens after its first prompt (a larger max_tokens is
+clipped to them); a call with none left is answered empty with finish_reason "length", and one more is refused (409).
 --max_turns bounds the calls per episode (the one past it is refused; an episode whose rollout raises on a refusal
 ends truncated with reward 0), --agent_timeout the seconds an episode spends outside model calls. A rollout that
 raises, returns no finite reward or never calls the model stops the run in one line (its traceback in
@@ -51,6 +53,7 @@ from common import console, fail
 
 SERVED = "policy"  # the model name a request gives
 ROUND_WAIT = 0.5  # seconds a waiting call holds its round open for episodes busy in their environment
+MAX_N = 128  # choices a request may ask at most: OpenAI's bound on chat completions' n
 
 
 @functools.cache
@@ -82,9 +85,10 @@ class Refused(Exception):
     """A request answered with an HTTP error: (status, one-line reason)."""
 
 
-def request_fields(body, tokenizer):
-    """An OpenAI chat-completions body -> (prompt ids, the sampling fields agents use); Refused where it is not one.
-    Fields it does not use are ignored, as OpenAI's own server ignores what it does not support."""
+def request_fields(body, tokenizer, context=None):
+    """An OpenAI chat-completions body -> (prompt ids, the sampling fields agents use); Refused where it is not one,
+    or past OpenAI's bounds: n, and with `context` (the model's positions) the prompt and prompt + max_tokens. Fields
+    it does not use are ignored, as OpenAI's own server ignores what it does not support."""
     if not isinstance(body, dict):
         raise Refused(400, "the body is not a JSON object")
     if body.get("model") != SERVED:
@@ -122,10 +126,31 @@ def request_fields(body, tokenizer):
               "top_p": lambda v: v is None or isinstance(v, (int, float)) and 0 < v <= 1,
               "stop": lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v),
               "logprobs": lambda v: isinstance(v, bool)}
+    asked = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     for name, ok in checks.items():
         if not ok(fields[name]):
-            raise Refused(400, f"'{name}' is not valid: {fields[name]!r}")
-    return tokenizer(text, add_special_tokens=False)["input_ids"], fields
+            raise Refused(400, f"'{asked if name == 'max_tokens' else name}' is not valid: {fields[name]!r}")
+    if fields["n"] > MAX_N:
+        raise Refused(400, f"'n' is {fields['n']}: over {MAX_N}, the most one request may ask")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if context and len(ids) >= context:  # (none left for a completion)
+        raise Refused(400, f"the prompt is {len(ids)} tokens: this model's context is {context} tokens, prompt and "
+                           "completion together")
+    if context and (fields["max_tokens"] or 0) > context - len(ids):
+        raise Refused(400, f"'{asked}' is {fields['max_tokens']}: over {context - len(ids)}, what this model's "
+                           f"context of {context} tokens leaves after the prompt's {len(ids)}")
+    return ids, fields
+
+
+def positions(model, tokenizer):
+    """The tokens the model can take, prompt and completion (its config's positions, by their usual names; else the
+    tokenizer's model_max_length where set); None where neither says (some rotary models): no bound then."""
+    config = model.config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
+        if isinstance(getattr(config, name, None), int):
+            return getattr(config, name)
+    n = getattr(tokenizer, "model_max_length", None)
+    return n if isinstance(n, int) and n < 10 ** 9 else None  # (unset: transformers' VERY_LARGE_INTEGER)
 
 
 @dataclass
@@ -193,9 +218,9 @@ class Endpoint:
     base URL, /episodes/<key>/v1; without episodes (`episodes` None) it serves /v1 to anyone."""
 
     def __init__(self, tokenizer, max_len, max_turns=None, host="127.0.0.1", port=0, episodes=None,
-                 prompt_max_len=None):
+                 prompt_max_len=None, context=None):
         self.tokenizer, self.max_len, self.max_turns, self.episodes = tokenizer, max_len, max_turns, episodes
-        self.prompt_max_len = prompt_max_len
+        self.prompt_max_len, self.context = prompt_max_len, context
         self.pending, self.cond = [], threading.Condition()
         ipv6 = ":" in host
         sock = socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET)
@@ -242,7 +267,7 @@ class Endpoint:
         return app
 
     async def complete(self, key, body):
-        prompt, fields = request_fields(body, self.tokenizer)
+        prompt, fields = request_fields(body, self.tokenizer, self.context)
         loop = asyncio.get_running_loop()
         with self.cond:
             e = self.episode(key)
@@ -251,7 +276,8 @@ class Endpoint:
                 raise Refused(400, f"a prompt of {len(prompt)} tokens starts a sample: over --prompt_max_len "
                                    f"{self.prompt_max_len}")
             used = len(prompt) - len(trajectory.prompt) if trajectory else 0
-            budget = min(fields["max_tokens"] or math.inf, self.max_len - used)
+            room = (self.context or math.inf) - len(prompt)  # the model's positions left (the endpoint alone)
+            budget = min(fields["max_tokens"] or math.inf, self.max_len - used, room)
             if budget <= 0:  # its sample has no room left: answered empty, the episode truncated; then refused
                 trajectory.busy, e.truncated = False, True
                 if trajectory.spent:  # (an agent that asks again would get empty replies until --agent_timeout)
@@ -584,7 +610,9 @@ def main():
     p.add_argument("--temperature", type=common.ranged(float, 0), default=1.0,
                    help="with --agent: the sampling temperature (0: greedy)")
     p.add_argument("--bf16", action="store_true", help="the policy's weights in bf16 (on the GPU where there is one)")
+    p.error = fail  # a bad command line stops with one line, as the training scripts' do
     args = p.parse_args()
+    common.quiet_libraries()  # no "Loading weights" bar
     args.apply_chat_template, args.top_p, args.flash_attn, args.load_in_4bit = True, 1.0, False, False
     if args.bf16:
         common.warn_if_slow_bf16()
@@ -593,18 +621,20 @@ def main():
                               device_map="cuda" if torch.cuda.is_available() else None).eval()
     generate = Generate(model, tokenizer)
     if args.agent is None:
-        endpoint = Endpoint(tokenizer, args.generate_max_len, host=args.host, port=args.port)
+        endpoint = Endpoint(tokenizer, args.generate_max_len, host=args.host, port=args.port,
+                            context=positions(model, tokenizer))
         console.print(f"serving {args.checkpoint} as {SERVED!r} ({model.dtype}, {model.device}) on {endpoint.url}/v1",
                       markup=False)
         serve(endpoint, generate)
     if args.dataset is None:
         fail("--agent needs --dataset: the records its rollout is run on")
     records = common.load_records(args.dataset, "train", [args.input_key] + [args.label_key] * bool(args.label_key),
-                                  args.max_samples)
+                                  args.max_samples, text_keys=[args.input_key])
     args.agent_server, args.max_turns, args.agent_timeout, args.micro_rollout_batch_size = args.agent, None, 600.0, 8
     args.prompt_max_len = None
     args.save_path = "agent_server"
     engine = ChatAgentEngine(generate, args, tokenizer)
+    engine.endpoint.context = positions(model, tokenizer)
     out = engine.sample([{"input": r[args.input_key], "text": "", "label": r.get(args.label_key)} for r in records],
                         args.temperature)
     for i, record in enumerate(out["records"]):  # what the policy sampled in [brackets]

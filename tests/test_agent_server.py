@@ -209,11 +209,11 @@ def test_calls_of_many_episodes_share_rounds_and_budgets(plain, tmp_path):
 # --------------------------------------------------------------------------------------------- the endpoint
 @pytest.fixture(scope="module")
 def endpoint(policy):
-    """python agent_server.py's endpoint over the toy policy (plain template), served from a thread."""
+    """python agent_server.py's endpoint over the toy policy (plain template, 512 positions), served from a thread."""
     tok = common.load_tokenizer(policy, argparse.Namespace(trust_remote_code=False, apply_chat_template=True,
                                                            tokenizer_chat_template=toy.PLAIN_CHAT_TEMPLATE))
     model = AutoModelForCausalLM.from_pretrained(policy).eval()
-    point = agent_server.Endpoint(tok, 8)
+    point = agent_server.Endpoint(tok, 8, context=agent_server.positions(model, tok))
     threading.Thread(target=agent_server.serve, args=(point, agent_server.Generate(model, tok)), daemon=True).start()
     return point, model, tok
 
@@ -282,11 +282,52 @@ def test_the_endpoint_answers_as_openai_does(endpoint):
      "'max_tokens' is not valid: -1"),
     ({"model": "policy", "messages": [{"role": "user", "content": "hi"}], "stream": True}, 400,
      "stream is not supported"),
-], ids=["not-json", "not-object", "model", "messages", "role", "content", "n", "max_tokens", "stream"])
+    # OpenAI's bounds: n <= 128; prompt + max_tokens within the model's context (the toy policy's 512 positions)
+    ({"model": "policy", "messages": [{"role": "user", "content": "hi"}], "n": 100000}, 400,
+     "'n' is 100000: over 128, the most one request may ask"),
+    ({"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400,
+     "'max_tokens' is 100000: over 509, what this model's context of 512 tokens leaves after the prompt's 3"),
+    ({"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 510}, 400,
+     "'max_completion_tokens' is 510: over 509"),
+    ({"model": "policy", "messages": [{"role": "user", "content": "1" * 600}]}, 400,
+     "the prompt is 601 tokens: this model's context is 512 tokens"),
+], ids=["not-json", "not-object", "model", "messages", "role", "content", "n", "max_tokens", "stream", "n-bound",
+        "max_tokens-bound", "max_completion_tokens-bound", "prompt-bound"])
 def test_bad_requests_get_a_4xx_with_one_line(endpoint, body, status, reason):
     code, reply = post(endpoint[0].url, body)
     assert code == status and reply["error"]["message"].startswith(reason), reply
     assert "\n" not in reply["error"]["message"]
+
+
+def test_a_huge_request_is_refused_and_the_largest_allowed_starves_no_one(endpoint):
+    """n=100000 (which once grew the server by gigabytes) is refused at once; then the largest request allowed (n=128,
+    all its tokens) and a small one sent beside it are both answered: calls are served in the order they came, each
+    bounded, so one waits for those before it, never forever."""
+    point, _, tok = endpoint
+    ask = {"model": "policy", "messages": [{"role": "user", "content": "12+34="}]}
+    code, reply = post(point.url, {**ask, "n": 100000})
+    assert code == 400 and reply["error"]["message"].startswith("'n' is 100000: over 128")
+
+    async def calls():
+        client = openai.AsyncOpenAI(base_url=f"{point.url}/v1", api_key="none", max_retries=0, timeout=120)
+        return await asyncio.gather(client.chat.completions.create(**ask, n=128, max_tokens=8),
+                                    client.chat.completions.create(**ask))
+    big, small = asyncio.run(calls())
+    assert len(big.choices) == 128 and len(small.choices) == 1 and small.choices[0].finish_reason in ("stop", "length")
+
+
+def test_positions_is_the_models_context(tokenizer):
+    """The bound the endpoint alone sets: the config's positions by their usual names (Llama's, GPT-2's), else the
+    tokenizer's model_max_length where it was set, else none."""
+    from types import SimpleNamespace
+
+    from transformers import GPT2Config, LlamaConfig, PretrainedConfig
+    model = lambda config: SimpleNamespace(config=config)  # noqa: E731
+    unset = SimpleNamespace(model_max_length=int(1e30))  # transformers' VERY_LARGE_INTEGER: not set
+    assert agent_server.positions(model(LlamaConfig(max_position_embeddings=300)), unset) == 300
+    assert agent_server.positions(model(GPT2Config(n_positions=64)), unset) == 64
+    assert agent_server.positions(model(PretrainedConfig()), tokenizer) == tokenizer.model_max_length == 512
+    assert agent_server.positions(model(PretrainedConfig()), unset) is None
 
 
 def test_unknown_fields_are_ignored_and_a_template_error_is_a_400(endpoint, tokenizer):
@@ -362,6 +403,8 @@ def test_flags_that_do_not_go_together(tmp_path, toy_world):
     assert proc.stderr.strip().splitlines()[-1].endswith("missing.py: not an existing .py file")
     proc = run_main("agent_server.py", toy_world / "model", "--generate_max_len", 0, check=False)  # standalone
     assert proc.stderr.strip().splitlines()[-1].endswith("argument --generate_max_len: 0 is outside [1, inf)")
+    proc = run_main("agent_server.py", toy_world / "model", "--port", 99999, check=False)  # one line, no usage block
+    assert proc.returncode == 1 and proc.stderr.strip() == "error: argument --port: 99999 is outside [0, 65535]"
 
 
 # ------------------------------------------------------------------------------- samples of episodes, in GRPO
@@ -388,20 +431,23 @@ def test_an_episodes_samples_share_its_group_advantage():
 
 
 # ---------------------------------------------------------------------- the endpoint alone, over a checkpoint
-def test_the_template_agent_runs_unchanged_against_a_saved_policy(policy, toy_world, tmp_path):
-    """`python agent_server.py CHECKPOINT --bf16` serves the policy in bf16; toy_chat_agent.py's rollout, imported as
-    is, runs against it with a stock openai client and gets a 0/1 reward; --agent runs it on dataset records and
-    prints each episode with what the policy sampled in brackets."""
+def test_the_template_agent_runs_unchanged_against_a_saved_policy(policy, toy_world, tmp_path, plain):
+    """`python agent_server.py CHECKPOINT --bf16` serves the policy in bf16, with no progress bar while it loads;
+    toy_chat_agent.py's rollout, imported as is, runs against it with a stock openai client and gets a 0/1 reward; a
+    3,001-token prompt to the 512-position model is refused (400) naming the bound; --agent runs the rollout on
+    dataset records and prints each episode with what the policy sampled in brackets."""
     port = common.free_port()
     server = subprocess.Popen([sys.executable, ROOT / "agent_server.py", policy, "--port", str(port), "--bf16",
                                "--tokenizer_chat_template", toy_world / "plain_chat.jinja", "--generate_max_len", "16"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
-        line = ""
+        line, lines = "", []
         while "serving" not in line:
             line = server.stdout.readline()
             assert line or server.poll() is None, "the server exited"
+            lines.append(line)
+        assert not any("Loading weights" in x or "it/s]" in x for x in lines), lines
         device = "cuda:0" if torch.cuda.is_available() else "cpu"
         assert f"(torch.bfloat16, {device}) on http://127.0.0.1:{port}/v1" in line, line
         sys.path.insert(0, str(ROOT))
@@ -413,6 +459,12 @@ def test_the_template_agent_runs_unchanged_against_a_saved_policy(policy, toy_wo
         reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "1+"}],
                                                logprobs=True, max_tokens=4).choices[0]
         assert 1 <= len(reply.logprobs.content) <= 4 and all(-50 < t.logprob <= 0 for t in reply.logprobs.content)
+        content = "1" * (3001 - len(render(plain, [{"role": "user", "content": ""}])))
+        assert len(render(plain, [{"role": "user", "content": content}])) == 3001
+        code, reply = post(f"http://127.0.0.1:{port}", {"model": "policy", "messages": [{"role": "user",
+                                                                                        "content": content}]})
+        assert code == 400 and reply["error"]["message"] == "the prompt is 3001 tokens: this model's context is " \
+            "512 tokens, prompt and completion together"
     finally:
         server.terminate()
         server.wait(30)
@@ -421,6 +473,7 @@ def test_the_template_agent_runs_unchanged_against_a_saved_policy(policy, toy_wo
                            toy_world / "tool_test.jsonl", "--label_key", "label", "--max_samples", "3",
                            "--generate_max_len", "16"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Loading weights" not in proc.stderr and "it/s]" not in proc.stderr
     lines = [x for x in proc.stdout.splitlines() if x.startswith("episode")]
     assert len(lines) >= 3 and all(", reward " in x and "+x=[" in x for x in lines)
 

@@ -48,6 +48,8 @@ from rich.table import Table
 from rich.text import Text
 
 console = Console(stderr=True, soft_wrap=True)  # log lines stay whole in files and CI
+if not console.is_terminal:  # a file or a pipe has no width to fit: rich's 80 columns would cut the last progress
+    console.width = 10_000   # line's figures and fold the sample tables' rows
 # at exit, no last garbage-collection sweep over the millions of objects torch (and vLLM) made: 0.5-1.5 s a process.
 # What a run writes is closed explicitly; only cyclic garbage goes unfinalised, which Python never promised anyway.
 atexit.register(gc.freeze)
@@ -320,7 +322,7 @@ def load_tokenizer(path, args):
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as e:
-        fail(f"cannot load tokenizer {path!r}: {str(e).splitlines()[0]}")
+        fail(f"cannot load tokenizer {path!r}: {load_error(path, e)}")
     template = getattr(args, "tokenizer_chat_template", None)
     if template:
         tokenizer.chat_template = Path(template).read_text() if len(template) < 4096 and os.path.isfile(template) \
@@ -416,7 +418,7 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
                                                     attn_implementation=attention, output_loading_info=True,
                                                     trust_remote_code=args.trust_remote_code, **kwargs)
     except (OSError, ValueError, ImportError) as e:
-        fail(f"cannot load model {path!r}: {str(e).splitlines()[0]}")
+        fail(f"cannot load model {path!r}: {load_error(path, e)}")
     saved_as = model.config.architectures or []  # the checkpoint's classes
     if model_class is transformers.AutoModelForSequenceClassification and loaded["missing_keys"] and (
             not new_head or any(a.endswith("ForSequenceClassification") for a in saved_as)):
@@ -535,6 +537,14 @@ def on_accelerator(model, offloaded):
     yield model.to("cuda") if move else model
     if move:
         model.to("cpu")
+
+
+def load_error(path, e):
+    """What from_pretrained's error means, in one line: a name that is not a directory here was tried on the hub, and
+    the hub's error alone ("couldn't connect to huggingface.co") hides the likelier mistake, a missing local one."""
+    here = Path(str(path)).expanduser().exists()
+    return ("" if here else f"no such local directory {Path.cwd() / path}; as a hub name: ") + (
+        str(e).splitlines()[0] if str(e) else type(e).__name__)
 
 
 def check_model_path(path):

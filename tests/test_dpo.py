@@ -226,9 +226,11 @@ def test_offline_zero0_reports_what_stock_models_give_and_resumes_exactly(policy
     data = ["--pretrain", policy, "--dataset", pref_files / "train.jsonl", "--eval_dataset", pref_files / "eval.jsonl",
             "--micro_train_batch_size", 32, "--ckpt_path", tmp_path / "ckpt", "--ref_offload", "--label_smoothing",
             0.1, "--nll_loss_coef", 0.1]
-    run_main("dpo.py", *OFFLINE, *data, "--save_path", tmp_path / "a", "--save_steps", 2)
+    proc = run_main("dpo.py", *OFFLINE, *data, "--save_path", tmp_path / "a", "--save_steps", 2)
     res = results(tmp_path / "a")
     assert res["steps"] == 4
+    assert "(step 0: the policy is its reference, so every implicit reward is 0 and each pair ties: accuracy and " \
+           "margin 0 by definition)" in proc.stderr  # why eval_accuracy_before is 0
     check_pair_eval(res, tmp_path / "a", policy, pref_files / "eval.jsonl", smoothing=0.1)
     prompts = pref_files / "eval_prompts.jsonl"
     assert res["eval_exact_match"] == stock_accuracy(tmp_path / "a", prompts)

@@ -1,7 +1,10 @@
 """What a run prints: none of the libraries' known noise (DeepSpeed's shm op "built successfully" and its accelerator
 guess, transformers' deprecations through peft, a sync time where nothing is synced), each model's line labelled, the
 final figures rounded; a first start says what it compiles, once. (vLLM's reload warnings: test_rollout_engines.py.)"""
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -41,6 +44,13 @@ def test_a_fresh_ppo_run_prints_no_noise(toy_world, eval_file, tmp_path, monkeyp
     assert f"actor: training {total:,} of {total:,} parameters" in trained[0]
     final = [line for line in log.splitlines() if line.startswith(f"saved to {tmp_path / 'run'}: ")]
     assert len(final) == 1 and rounded(final[0]) and "eval_accuracy=" in final[0], final
+    # output to a file (here a pipe) has no width: the progress bar's last line keeps every figure of the last step
+    # (at rich's 80 columns it ended "t… reward=0 ..."), and a sample table's row is one line, not folded
+    bar, logged = [[line for line in log.splitlines() if line.startswith(p)] for p in ("train ━", "train step ")]
+    assert bar and all(f" {k}=" in bar[-1] for k in re.findall(r"(\w+)=", logged[-1])), (bar, logged)
+    table = log[log.index("eval samples, step"):].splitlines()
+    table = table[:next(i for i, line in enumerate(table) if line.startswith("└")) + 1]
+    assert len(table) > 4 and all(not a.startswith("│") or b[0] in "├└" for a, b in zip(table, table[1:])), table
     assert "sync_s_per_step" not in results(tmp_path / "run")  # HF generate: nothing synced, nothing timed
 
 
@@ -94,3 +104,21 @@ def test_merge_lora_prints_no_deprecation(toy_world, tmp_path):
     assert noise(proc.stdout + proc.stderr) == [] and "Warning" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines() == [f"merged {tmp_path / 'lora'} into {toy_world / 'model'}: saved to "
                                                 f"{tmp_path / 'merged'}"]
+
+
+def test_the_toy_world_is_built_without_progress_bars(tmp_path):
+    """transformers 5 draws a "Writing model shards" bar for the toy model's 4 MB: python toy.py prints its summary."""
+    proc = run_script("toy.py", tmp_path / "world")
+    assert proc.stderr == "" and proc.stdout.splitlines()[-1] == f"model/ at {tmp_path / 'world' / 'model'}", proc.stderr
+
+
+def test_deepspeeds_op_is_cached_in_the_venv(tmp_path):
+    """Two checkouts (two venvs) shared torch's per-user cache, and the op's build flags hold each venv's paths: every
+    switch rebuilt it (a minute of both cores). In a venv, common keeps it there, unless TORCH_EXTENSIONS_DIR says."""
+    code = "import common, os; print(os.environ['TORCH_EXTENSIONS_DIR'])"
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    ran = lambda env: subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,  # noqa
+                                     text=True, check=True).stdout.strip()
+    assert sys.prefix != sys.base_prefix  # (the suite runs in .venv)
+    assert ran(env) == os.path.join(sys.prefix, "torch_extensions")
+    assert ran({**env, "TORCH_EXTENSIONS_DIR": str(tmp_path)}) == str(tmp_path)

@@ -9,9 +9,11 @@ where the wheel or gguf is missing; `make venv` installs both, so CI runs them."
 import importlib.util
 import json
 import math
+import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,8 +48,16 @@ def brief(a, b):
 
 @pytest.fixture(scope="module")
 def smol():
+    """The model, built as `make smollm2` builds it where it is not yet (CI): one line, no progress bars (transformers'
+    GGUF reader and save_pretrained draw theirs)."""
     import smollm2
 
+    if not (Path(smollm2.OUT) / "model.safetensors").is_file():
+        proc = subprocess.run([sys.executable, str(ROOT / "smollm2.py")], cwd=ROOT, capture_output=True, text=True,
+                              timeout=600, check=True)
+        out = os.path.relpath(smollm2.OUT, ROOT)
+        assert (proc.stdout + proc.stderr).strip().splitlines() == [
+            f"SmolLM2-135M-Instruct at {out}: --pretrain {out}"], proc.stdout + proc.stderr
     return smollm2.ensure_smollm2()
 
 

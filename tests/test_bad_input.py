@@ -116,6 +116,14 @@ def test_unknown_hub_model_offline(toy_world, tmp_path):
     assert "no-such-org/no-such-model" in line
 
 
+def test_a_run_directory_typed_before_it_exists_says_both(toy_world, tmp_path):
+    """`--pretrain runs/sft` before runs/ exists has a hub name's shape: the hub's error alone ("couldn't connect to
+    huggingface.co") hid the likelier mistake. Both are said."""
+    line = one_line_error(run_main("grpo.py", "--pretrain", "runs/sft", cwd=tmp_path, check=False))
+    assert line.startswith(f"error: cannot load tokenizer 'runs/sft': no such local directory {tmp_path / 'runs/sft'}; "
+                           "as a hub name: ") and "huggingface.co" in line, line
+
+
 @pytest.mark.parametrize("record,message", [
     ({"input": "1+2\n1+2=3 ки\n3+4=7 ки", "label": ["+", "-", "-"]},
      "2 placeholders 'ки' in 'input' but 3 labels; 'label' must hold one per placeholder"),

@@ -392,9 +392,7 @@ def sampling_as_asked(model):
 def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.AutoModelForCausalLM, trainable=True,
                new_head=False, head_hint="give a reward model (one rm.py saved)", **kwargs):
     """from_pretrained with our flags (under ZeRO-3 the weights load partitioned); a `trainable` model gets LoRA
-    adapters with --lora_rank (a classifier's `score` head stays fully trainable). A classifier's head must be in the
-    checkpoint (a causal LM loaded as one gets a random head that scores plausibly: one line, `head_hint` appended),
-    unless `new_head` starts one on a causal LM (rm.py, a critic, merge_lora's base under its adapter)."""
+    adapters with --lora_rank (a classifier's `score` head stays fully trainable); a classifier's head: check_head."""
     global _hf_ds_config
     check_model_path(path)
     zero3 = ds_cfg is not None and ds_cfg["zero_optimization"]["stage"] == 3
@@ -419,11 +417,8 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
                                                     trust_remote_code=args.trust_remote_code, **kwargs)
     except (OSError, ValueError, ImportError) as e:
         fail(f"cannot load model {path!r}: {load_error(path, e)}")
-    saved_as = model.config.architectures or []  # the checkpoint's classes
-    if model_class is transformers.AutoModelForSequenceClassification and loaded["missing_keys"] and (
-            not new_head or any(a.endswith("ForSequenceClassification") for a in saved_as)):
-        fail(f"{path} has no trained score head: its weights lack {', '.join(loaded['missing_keys'])} (saved as "
-             f"{', '.join(saved_as) or 'no class'}), so it would score with a random head; {head_hint}")
+    if model_class is transformers.AutoModelForSequenceClassification:
+        check_head(path, model, loaded["missing_keys"], new_head, head_hint)
     if len(tokenizer) > model.config.vocab_size:  # tokens were added (a pad, a PRM step placeholder)
         add_embeddings(model, len(tokenizer), zero3)
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -444,6 +439,16 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
     if trainable and args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def check_head(path, model, missing, new_head, hint):
+    """A classifier's head must be in its checkpoint: a causal LM loaded as one gets a random head that scores
+    plausibly (one line, `hint` appended), unless `new_head` starts one on a causal LM (rm.py, a critic, merge_lora's
+    base under its adapter)."""
+    saved_as = model.config.architectures or []  # the checkpoint's classes
+    if missing and (not new_head or any(a.endswith("ForSequenceClassification") for a in saved_as)):
+        fail(f"{path} has no trained score head: its weights lack {', '.join(missing)} (saved as "
+             f"{', '.join(saved_as) or 'no class'}), so it would score with a random head; {hint}")
 
 
 def add_embeddings(model, size, zero3):
@@ -570,22 +575,15 @@ def load_records(source, split="train", required_keys=(), max_samples=None, with
     `text_keys` hold text: a string, or a conversation (a list of {"role": str, "content": str})."""
     sources = [s for s in str(source).split(",") if s] or [str(source)]
     if probs is None:
-        rows = [row for s in sources for row in read_records(s, split, required_keys, max_samples, hint)]
+        rows = [row for s in sources for row in read_records(s, split, required_keys, max_samples, hint, text_keys)]
         rows = rows[:max_samples or None]
     else:
-        rows = mix_records(source, sources, probs, split, required_keys, max_samples, seed, hint)
-    for (record, where), key in ((row, key) for row in rows for key in text_keys):
-        value = record[key]
-        if not isinstance(value, str) and not (isinstance(value, list) and value and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in value)):
-            fail(f"{where}: {key!r} is {json.dumps(value)[:60]}, not text (a string, or a conversation: a list of "
-                 '{"role": ..., "content": ...} with string values)')
+        rows = mix_records(source, sources, probs, split, required_keys, max_samples, seed, hint, text_keys)
     records = [record for record, _ in rows]
     return (records, [where for _, where in rows]) if with_locations else records
 
 
-def mix_records(source, sources, probs, split, required_keys, max_samples, seed, hint):
+def mix_records(source, sources, probs, split, required_keys, max_samples, seed, hint, text_keys):
     """--dataset_probs: `max_samples` rows (default: as many as all sources hold), each drawn from source i with
     probability probs[i], going through that source in a seeded shuffled order (and round again if needed)."""
     if len(probs) != len(sources):
@@ -593,8 +591,8 @@ def mix_records(source, sources, probs, split, required_keys, max_samples, seed,
     if min(probs) < 0 or sum(probs) <= 0:
         fail(f"--dataset_probs {','.join(map(str, probs))}: weights must be >= 0 with a positive sum")
     if len(sources) == 1:
-        return read_records(sources[0], split, required_keys, max_samples, hint)[:max_samples or None]
-    parts = [read_records(s, split, required_keys, None, hint) for s in sources]
+        return read_records(sources[0], split, required_keys, max_samples, hint, text_keys)[:max_samples or None]
+    parts = [read_records(s, split, required_keys, None, hint, text_keys) for s in sources]
     rng = np.random.default_rng(seed)
     picks = rng.choice(len(parts), size=max_samples or sum(map(len, parts)), p=np.array(probs) / sum(probs))
     orders, taken, rows = [rng.permutation(len(part)) for part in parts], [0] * len(parts), []
@@ -604,7 +602,7 @@ def mix_records(source, sources, probs, split, required_keys, max_samples, seed,
     return rows
 
 
-def read_records(source, split, required_keys, max_samples, hint=None):
+def read_records(source, split, required_keys, max_samples, hint=None, text_keys=()):
     """load_records of one source -> [(record, its location)], the first max_samples, each checked."""
     path = Path(source)
     if path.suffix in (".jsonl", ".json", ".parquet", ".csv") and not path.is_file():
@@ -620,17 +618,21 @@ def read_records(source, split, required_keys, max_samples, hint=None):
             if record.get(key) is None:
                 fail(f"{location}: missing key {key!r} (keys: {', '.join(record) or 'none'}); "
                      f"set the matching --*_key flag" + (f", or {hint}" if hint else ""))
+            value = record[key]
+            if key in text_keys and not (isinstance(value, str) or value and isinstance(value, list) and all(
+                    isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content")) for m in value)):
+                fail(f"{location}: {key!r} is {json.dumps(value)[:60]}, not text (a string, or a list of messages with "
+                     "a string role and content)")
     return rows
 
 
 def read_json(source):
     """A .json array or .jsonl file -> (records, their locations), parsed here so a malformed line is named."""
-    raw = Path(source).read_bytes()
     try:
-        text = raw.decode("utf-8-sig")  # (a byte-order mark is allowed)
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        fail(f"{source}: line {line} is not UTF-8 text (byte {raw[e.start]:#04x}): save the file as UTF-8")
+        text = Path(source).read_text(encoding="utf-8-sig")  # (a byte-order mark is allowed)
+    except UnicodeDecodeError as e:  # e.object: the file's bytes
+        fail(f"{source}: line {len(e.object[:e.start + 1].splitlines())} is not UTF-8 text (byte "
+             f"{e.object[e.start]:#04x}): save the file as UTF-8")
     if text.lstrip().startswith("["):
         try:
             records = json.loads(text)

@@ -638,7 +638,7 @@ def read_json(source):
             records = json.loads(text)
         except json.JSONDecodeError as e:
             fail(f"{source}: invalid JSON at line {e.lineno}: {e.msg}")
-        return records, [f"{source}: record {i}" for i in range(len(records))]
+        return records, [f"{source}: line {line} (record {i})" for i, line in enumerate(array_lines(text))]
     records, where = [], []
     for i, line in enumerate(text.splitlines(), start=1):
         if line.strip():
@@ -648,6 +648,19 @@ def read_json(source):
                 fail(f"{source}: line {i} is not valid JSON ({e.msg})")
             where.append(f"{source}: line {i}")
     return records, where
+
+
+def array_lines(text):
+    """The line each element of a JSON array (valid JSON) starts on, in one pass."""
+    decoder, at, lines, line, counted = json.JSONDecoder(), text.index("[") + 1, [], 1, 0
+    while True:
+        while text[at] in " \t\r\n,":  # (the comma between elements)
+            at += 1
+        if text[at] == "]":
+            return lines
+        line, counted = line + text.count("\n", counted, at), at
+        lines.append(line)
+        at = decoder.raw_decode(text, at)[1]
 
 
 def read_dataset(source, split):

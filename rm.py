@@ -229,16 +229,19 @@ def add_training_args(p: argparse.ArgumentParser):
     a("--micro_train_batch_size", type=ranged(int, 1), default=8, help="per-device batch of one forward/backward")
     a("--train_batch_size", type=ranged(int, 1), default=64, help="global batch of one optimizer step")
     a("--max_epochs", type=ranged(int, 1), default=1)
-    a("--learning_rate", type=ranged(float, 0), default=1e-5)  # 0: the run's weights stay as loaded
+    a("--learning_rate", type=ranged(float, 0, 1), default=1e-5,
+      help="AdamW's step: it moves each weight by about this much (0: the weights stay as loaded)")
     a("--lr_warmup_ratio", type=ranged(float, 0, 1), default=0.03)
     a("--lr_scheduler", default="cosine_with_min_lr", help="any transformers scheduler name")
-    a("--l2", type=ranged(float, 0), default=0.0, help="AdamW weight decay")
+    a("--l2", type=ranged(float, 0, 1), default=0.0,
+      help="AdamW weight decay: each step scales the weights by 1 - learning_rate * l2")
     a("--adam_betas", type=ranged(float, 0, 1, hi_open=True), nargs=2, default=(0.9, 0.95))
     a("--max_norm", type=ranged(float, 0), default=1.0, help="gradient clipping (0: none)")
-    a("--seed", type=int, default=42)
+    a("--seed", type=ranged(int, 0, 2**32 - 1), default=42, help="0 to 2**32 - 1 (numpy's seeds)")
     a("--overlap_comm", action="store_true", help="ZeRO: overlap gradient reduction with the backward pass")
     # LoRA / QLoRA (peft)
-    a("--lora_rank", type=ranged(int, 0), default=0, help="train LoRA adapters of this rank, not the weights (0: off)")
+    a("--lora_rank", type=ranged(int, 0, 2**16), default=0,
+      help="train LoRA adapters of this rank, not the weights (0: off; a rank above a layer's width adds nothing)")
     a("--lora_alpha", type=ranged(int, 1), default=16, help="LoRA scale: the update is alpha/rank * B A")
     a("--lora_dropout", type=ranged(float, 0, 1, hi_open=True), default=0.0)
     a("--target_modules", nargs="+", default=["all-linear"],
@@ -300,10 +303,16 @@ def main():
     keys = [k for k in (args.input_key, args.chosen_key, args.rejected_key, args.margin_key) if k]
     texts = [k for k in keys if k != args.margin_key]
 
+    def margin(record, where):
+        try:
+            return float(record[args.margin_key]) if args.margin_key else 0.0
+        except (TypeError, ValueError):
+            common.fail(f"{where}: {args.margin_key!r} is {record[args.margin_key]!r}, not a number (the pair's margin)")
+
     def tokenize(records, locations):
         return [(tokenize_response(r, args.chosen_key, tokenizer, args, where),
-                 tokenize_response(r, args.rejected_key, tokenizer, args, where),
-                 float(r[args.margin_key]) if args.margin_key else 0.0) for r, where in zip(records, locations)]
+                 tokenize_response(r, args.rejected_key, tokenizer, args, where), margin(r, where))
+                for r, where in zip(records, locations)]
 
     train = tokenize(*common.load_records(args.dataset, args.dataset_split, keys, args.max_samples,
                                           with_locations=True, probs=args.dataset_probs, seed=args.seed,

@@ -365,3 +365,18 @@ def test_data_of_the_wrong_type_or_bytes_names_file_and_line(toy_world, tmp_path
     flags += ["--label_key", "label", "--remote_rm_url", ROOT / "toy.py"] if script == "grpo.py" else []
     error = one_line_error(run_main(script, *flags, cwd=tmp_path, check=False))
     assert error.startswith(f"error: {data}: line 3") and message in error, error
+
+
+def test_a_json_arrays_records_and_a_margin_are_named_by_line(toy_world, tmp_path):
+    """A .json array's record is named by the line it starts on (a naive scan of the text: the 3rd record starts on
+    line 4, after one spread over two lines); rm.py's --margin_key value that is not a number is named too."""
+    data = tmp_path / "data.json"
+    data.write_text('[\n {"input": "1+2=", "output": "3"},\n {"input": "1+3=",\n  "output": "4"}, {"input": 7, '
+                    '"output": "8"}\n]\n')
+    error = one_line_error(run_main("sft.py", "--dataset", data, cwd=tmp_path, check=False))
+    assert error.startswith(f"error: {data}: line 4 (record 2): 'input' is 7, not text"), error
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"input": "1+2=", "chosen": "3", "rejected": "4", "margin": 1}\n'
+                     '{"input": "1+2=", "chosen": "3", "rejected": "4", "margin": "large"}\n')
+    error = one_line_error(run_main("rm.py", "--dataset", pairs, "--margin_key", "margin", cwd=tmp_path, check=False))
+    assert error == f"error: {pairs}: line 2: 'margin' is 'large', not a number (the pair's margin)"

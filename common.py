@@ -620,7 +620,8 @@ def read_records(source, split, required_keys, max_samples, hint=None, text_keys
                      f"set the matching --*_key flag" + (f", or {hint}" if hint else ""))
             value = record[key]
             if key in text_keys and not (isinstance(value, str) or value and isinstance(value, list) and all(
-                    isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content")) for m in value)):
+                    isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content")) for m in value
+            )):
                 fail(f"{location}: {key!r} is {json.dumps(value)[:60]}, not text (a string, or a list of messages with "
                      "a string role and content)")
     return rows

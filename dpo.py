@@ -405,16 +405,19 @@ def add_training_args(p: argparse.ArgumentParser):
     a("--micro_train_batch_size", type=ranged(int, 1), default=8, help="per-device batch of one forward/backward")
     a("--train_batch_size", type=ranged(int, 1), default=64, help="global batch of one optimizer step")
     a("--max_epochs", type=ranged(int, 1), default=1)
-    a("--learning_rate", type=ranged(float, 0), default=1e-5)  # 0: the run's weights stay as loaded
+    a("--learning_rate", type=ranged(float, 0, 1), default=1e-5,
+      help="AdamW's step: it moves each weight by about this much (0: the weights stay as loaded)")
     a("--lr_warmup_ratio", type=ranged(float, 0, 1), default=0.03)
     a("--lr_scheduler", default="cosine_with_min_lr", help="any transformers scheduler name")
-    a("--l2", type=ranged(float, 0), default=0.0, help="AdamW weight decay")
+    a("--l2", type=ranged(float, 0, 1), default=0.0,
+      help="AdamW weight decay: each step scales the weights by 1 - learning_rate * l2")
     a("--adam_betas", type=ranged(float, 0, 1, hi_open=True), nargs=2, default=(0.9, 0.95))
     a("--max_norm", type=ranged(float, 0), default=1.0, help="gradient clipping (0: none)")
-    a("--seed", type=int, default=42)
+    a("--seed", type=ranged(int, 0, 2**32 - 1), default=42, help="0 to 2**32 - 1 (numpy's seeds)")
     a("--overlap_comm", action="store_true", help="ZeRO: overlap gradient reduction with the backward pass")
     # LoRA / QLoRA (peft)
-    a("--lora_rank", type=ranged(int, 0), default=0, help="train LoRA adapters of this rank, not the weights (0: off)")
+    a("--lora_rank", type=ranged(int, 0, 2**16), default=0,
+      help="train LoRA adapters of this rank, not the weights (0: off; a rank above a layer's width adds nothing)")
     a("--lora_alpha", type=ranged(int, 1), default=16, help="LoRA scale: the update is alpha/rank * B A")
     a("--lora_dropout", type=ranged(float, 0, 1, hi_open=True), default=0.0)
     a("--target_modules", nargs="+", default=["all-linear"],
@@ -448,15 +451,15 @@ def add_training_args(p: argparse.ArgumentParser):
 def add_dpo_args(parser):
     """The objective's and the reference's flags (online_dpo.py has a copy)."""
     a = parser.add_argument
-    a("--beta", type=common.ranged(float, 0, lo_open=True), default=0.1,
+    a("--beta", type=common.ranged(float, 1e-6, 1e6), default=0.1,
       help="the KL strength: implicit reward = beta * (log pi - log pi_ref)")
     a("--loss_type", default="sigmoid", choices=LOSS_TYPES, help="sigmoid (DPO), ipo or hinge (SLiC)")
     a("--ipo", action="store_true", help="same as --loss_type ipo (OpenRLHF's flag)")
     a("--label_smoothing", type=common.ranged(float, 0, 0.5, hi_open=True), default=0.0,
       help="conservative DPO: the chance a label is wrong (sigmoid)")
-    a("--nll_loss_coef", type=common.ranged(float, 0), default=0.0,
+    a("--nll_loss_coef", type=common.ranged(float, 0, 1e6), default=0.0,
       help="weight of an SFT term: the chosen's per-token NLL")
-    a("--aux_loss_coef", type=common.ranged(float, 0), default=0.0, help="MoE router load-balancing loss weight")
+    a("--aux_loss_coef", type=common.ranged(float, 0, 1e6), default=0.0, help="MoE router load-balancing loss weight")
     a("--ref_pretrain", default=None, help="the reference (default: --pretrain; with --lora_rank the base model)")
     a("--ref_offload", action="store_true", help="keep the reference on the CPU between uses")
 
@@ -548,6 +551,9 @@ def main():
     logger, results = common.Logger(args, total_steps, start_step, timed), {}
     if eval_pairs:
         common.log_eval(logger, start_step, evaluate(), results, "_before")
+        if start_step == 0 and args.ref_pretrain in (None, args.pretrain) and common.is_rank0():
+            common.console.print("(step 0: the policy is its reference, so every implicit reward is 0 and each pair "
+                                 "ties: accuracy and margin 0 by definition)", markup=False)
     for step in range(start_step, total_steps):
         step_start = time.time()
         # 1. pairs: this rank's share of the next --train_batch_size, in the micro-batches of one optimizer step

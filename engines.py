@@ -8,6 +8,7 @@ it on the line that handles these flags (make_pairs.py where --vllm is given); i
 import argparse
 import contextlib
 import logging
+import math
 import os
 import queue
 import signal
@@ -482,7 +483,8 @@ def rollout_correction_weights(old_logprobs, rollout_logprobs, action_mask, mode
     stat = w if level == "token" else common.seq_mean(log_w, mask).exp()[:, None].expand_as(w)
     lo, hi = bounds
     inside = (stat >= lo) & (stat <= hi)
-    weights = stat.clamp(lo, hi) if kind == "truncate" else torch.where(inside, w, 0.0)
+    cap = hi if hi <= torch.finfo(stat.dtype).max else math.inf  # HI 1e308 in float32: no cap (clamp would refuse it)
+    weights = stat.clamp(lo, cap) if kind == "truncate" else torch.where(inside, w, 0.0)
     return torch.where(mask, weights, 0.0), mask & ~inside
 
 

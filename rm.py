@@ -307,7 +307,7 @@ def main():
         try:
             return float(record[args.margin_key]) if args.margin_key else 0.0
         except (TypeError, ValueError):
-            common.fail(f"{where}: {args.margin_key!r} is {record[args.margin_key]!r}, not a number (the pair's margin)")
+            common.fail(f"{where}: {args.margin_key!r} is {record[args.margin_key]!r}, not a number (its margin)")
 
     def tokenize(records, locations):
         return [(tokenize_response(r, args.chosen_key, tokenizer, args, where),

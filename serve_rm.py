@@ -58,7 +58,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError, model_validator
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import common
 
@@ -235,17 +235,19 @@ def score_batch(model, batch, args, pad_id):
     return logits[torch.arange(len(batch)), col, args.reward_token_id].float().tolist()
 
 
+def head_hint(config):
+    """What serves a model without a score head (the end of load_model's one line refusing it as seq_cls)."""
+    if getattr(config, "placeholder_token_id", None) is not None:
+        return "it is a prm.py model: --rm_type prm serves it"
+    return ("a reward model (rm.py's) is a sequence classifier; a causal LM scored by one token's logit: --rm_type "
+            "causal_lm_token --reward_token_id ID; a prm.py model: --rm_type prm")
+
+
 def load(args):
     """Tokenizer and model (eval mode), with what the reward kind needs checked up front."""
     tokenizer = common.load_tokenizer(args.reward_pretrain, args)
-    kwargs = {"model_class": AutoModelForSequenceClassification, "num_labels": 1} if args.rm_type == "seq_cls" \
-        else {"model_class": AutoModelForCausalLM}
-    if args.rm_type == "seq_cls":  # a causal LM has no score head: what would serve it
-        prm = getattr(AutoConfig.from_pretrained(args.reward_pretrain, trust_remote_code=args.trust_remote_code),
-                      "placeholder_token_id", None) is not None
-        kwargs["head_hint"] = ("it is a prm.py model: --rm_type prm serves it" if prm else "a reward model (rm.py's) "
-                               "is a sequence classifier; a causal LM scored by one token's logit: --rm_type "
-                               "causal_lm_token --reward_token_id ID; a prm.py model: --rm_type prm")
+    kwargs = {"model_class": AutoModelForSequenceClassification, "num_labels": 1, "head_hint": head_hint} \
+        if args.rm_type == "seq_cls" else {"model_class": AutoModelForCausalLM}
     if torch.cuda.is_available() and not args.load_in_4bit:  # bitsandbytes places 4-bit weights itself
         kwargs["device_map"] = "cuda"  # loaded straight onto the GPU, not first into CPU memory
     model = common.load_model(args.reward_pretrain, args, tokenizer, trainable=False, **kwargs).eval()
@@ -253,6 +255,9 @@ def load(args):
         check_saved(model.config, tokenizer, args.reward_pretrain)
     if args.rm_type == "causal_lm_token" and args.reward_token_id is None:
         common.fail("--rm_type causal_lm_token needs --reward_token_id")
+    if args.rm_type == "causal_lm_token" and args.reward_token_id >= model.config.vocab_size:
+        common.fail(f"--reward_token_id {args.reward_token_id}: {args.reward_pretrain}'s vocabulary has "
+                    f"{model.config.vocab_size} tokens")
     args.mean, args.std = 0.0, 1.0
     if args.normalize_reward:
         args.mean, args.std = getattr(model.config, "mean", 0.0), getattr(model.config, "std", 1.0)
@@ -437,9 +442,9 @@ def main():
     a("--api_key", default=os.environ.get("RM_API_KEY"), help="require 'Authorization: Bearer KEY' (or $RM_API_KEY)")
     a("--max_batch_tokens", type=common.ranged(int, 1), default=None,
       help="padded tokens per forward (default 16384 on GPU; 2048 on CPU, where big batches ran slower)")
-    a("--max_wait_ms", type=common.ranged(float, 0), default=5.0,
+    a("--max_wait_ms", type=common.ranged(float, 0, 1e6), default=5.0,
       help="how long the worker waits for more requests to batch")
-    a("--max_body_mb", type=common.ranged(float, 0, lo_open=True), default=16.0)
+    a("--max_body_mb", type=common.ranged(float, 0, 1e6, lo_open=True), default=16.0)
     a("--max_texts", type=common.ranged(int, 1), default=4096, help="texts per request")
     a("--log_requests", action="store_true", help="log request texts and the access log (off: nothing of them)")
     common.quiet_libraries()

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import common
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import ROOT, run_main, run_script
 
 
@@ -215,16 +216,16 @@ SCRIPTS = ["sft.py", "rm.py", "prm.py", "dpo.py", "grpo.py", "ppo.py", "online_d
 @pytest.mark.parametrize("script, flags, message", [
     ("sft.py", ["--train_batch_size", 0], "argument --train_batch_size: 0 is outside [1, inf)"),  # a ZeroDivisionError
     ("grpo.py", ["--micro_train_batch_size", 0], "argument --micro_train_batch_size: 0 is outside [1, inf)"),
-    ("grpo.py", ["--learning_rate=-1e-3"], "argument --learning_rate: -1e-3 is outside [0, inf)"),  # torch's ValueError
+    ("grpo.py", ["--learning_rate=-1e-3"], "argument --learning_rate: -1e-3 is outside [0, 1]"),  # torch's ValueError
     ("ppo.py", ["--top_p", 1.5], "argument --top_p: 1.5 is outside (0, 1]"),
-    ("rm.py", ["--learning_rate", "abc"], "argument --learning_rate: 'abc' is not a number in [0, inf)"),
+    ("rm.py", ["--learning_rate", "abc"], "argument --learning_rate: 'abc' is not a number in [0, 1]"),
     ("prm.py", ["--max_epochs", 2.5], "argument --max_epochs: '2.5' is not an integer in [1, inf)"),
     ("rm.py", ["--save_steps", 0], "argument --save_steps: 0 is outside [1, inf) or -1"),
     ("sft.py", ["--adam_betas", 0.9, 1], "argument --adam_betas: 1 is outside [0, 1)"),
     ("dpo.py", ["--label_smoothing", 0.5], "argument --label_smoothing: 0.5 is outside [0, 0.5)"),
     ("distill.py", ["--beta", "nan"], "argument --beta: nan is outside [0, 1]"),
-    ("online_dpo.py", ["--temperature", 0], "argument --temperature: 0 is outside (0, inf)"),
-    ("make_pairs.py", ["--n_samples_per_prompt", 1], "argument --n_samples_per_prompt: 1 is outside [2, inf)"),
+    ("online_dpo.py", ["--temperature", 0], "argument --temperature: 0 is outside [1e-05, inf)"),
+    ("make_pairs.py", ["--n_samples_per_prompt", 1], "argument --n_samples_per_prompt: 1 is outside [2, 65536]"),
     ("serve_rm.py", ["--port", 70000], "argument --port: 70000 is outside [0, 65535]"),
     ("merge_lora.py", ["--model_path"], "argument --model_path: expected one argument"),  # argparse's own, one line too
 ])
@@ -241,7 +242,8 @@ def test_ranged_ends_and_sentinels():
     unit, half = common.ranged(float, 0, 1, lo_open=True), common.ranged(float, 0, 0.5, hi_open=True)
     steps, port, anything = common.ranged(int, 1, also=[-1]), common.ranged(int, 0, 65535), common.ranged(float)
     assert unit("1") == 1.0 and unit("1e-300") == 1e-300 and half("0") == 0.0 and half("0.4999") == 0.4999
-    assert steps("-1") == -1 and steps("1") == 1 and type(steps("7")) is int and steps(str(10**30)) == 10**30
+    assert steps("-1") == -1 and steps("1") == 1 and type(steps("7")) is int and steps(str(2**63 - 1)) == 2**63 - 1
+    seed = common.ranged(int, 0, 2**32 - 1)
     assert port("0") == 0 and port("65535") == 65535 and anything("-1e300") == -1e300
     for parse, text, message in [
         (unit, "0", "0 is outside (0, 1]"), (unit, "1.0000001", "1.0000001 is outside (0, 1]"),
@@ -250,6 +252,8 @@ def test_ranged_ends_and_sentinels():
         (port, "65536", "65536 is outside [0, 65535]"), (port, "-1", "-1 is outside [0, 65535]"),
         (anything, "nan", "nan is outside (-inf, inf)"), (anything, "inf", "inf is outside (-inf, inf)"),
         (steps, "1.5", "'1.5' is not an integer in [1, inf) or -1"), (unit, "abc", "'abc' is not a number in (0, 1]"),
+        (steps, str(10**30), f"{10**30} is outside [1, inf) or -1 (integers end at 2**63 - 1)"),  # torch overflows
+        (seed, str(2**32), "4294967296 is outside [0, 4294967295]"),  # an int's ends whole, not 4.29497e+09
     ]:
         with pytest.raises(argparse.ArgumentTypeError) as refused:
             parse(text)
@@ -326,6 +330,11 @@ def test_serve_rm_refuses_a_causal_lm_as_a_sequence_classifier(toy_world, tmp_pa
     with pytest.raises(SystemExit) as e:
         serve_rm.load(args)
     assert str(e.value).endswith("so it would score with a random head; it is a prm.py model: --rm_type prm serves it")
+    args.rm_type, args.reward_token_id = "causal_lm_token", 10**6  # (an IndexError on every request)
+    with pytest.raises(SystemExit) as e:
+        serve_rm.load(args)
+    vocab = json.loads((prm / "config.json").read_text())["vocab_size"]
+    assert str(e.value) == f"error: --reward_token_id 1000000: {prm}'s vocabulary has {vocab} tokens"
 
 
 @pytest.mark.parametrize("script, flag", [("grpo.py", "--reward_pretrain"), ("ppo.py", "--reward_pretrain"),
@@ -340,25 +349,27 @@ def test_a_reward_model_or_critic_without_its_head_stops(toy_world, tmp_path, sc
     reward = [] if flag == "--reward_pretrain" else ["--remote_rm_url", ROOT / "toy.py"]
     line = one_line_error(run_main(script, flag, model, *reward, "--max_samples", 64, "--save_path", tmp_path / "out",
                                    check=False))
-    saved_as = "LlamaForCausalLM" if flag == "--reward_pretrain" else "LlamaForSequenceClassification"
+    saved_as, hint = ("LlamaForCausalLM", "give a reward model (one rm.py saved)") if flag == "--reward_pretrain" else (
+        "LlamaForSequenceClassification", "a critic starts from a reward model (rm.py's) or a causal LM (its head new)")
     assert line == (f"error: {model} has no trained score head: its weights lack score.weight (saved as {saved_as}), "
-                    "so it would score with a random head; give a reward model (one rm.py saved)")
+                    f"so it would score with a random head; {hint}")
 
 
 @pytest.mark.parametrize("script, line, message", [
-    ("sft.py", b'{"input": 5, "output": "3"}', "'input' is 5, not text"),
+    ("sft.py", b'{"input": {"q": "1+2="}, "output": "3"}', "'input' is {\"q\": \"1+2=\"}, not text"),
     ("sft.py", b'{"input": "1+2=", "output": ["3"]}', "'output' is [\"3\"], not text"),
     ("rm.py", b'{"input": "1+2=", "chosen": {"text": "3"}, "rejected": "4"}',
      "'chosen' is {\"text\": \"3\"}, not text"),
-    ("dpo.py", b'{"input": [{"role": "user", "content": 1}], "chosen": "3", "rejected": "4"}',
-     "'input' is [{\"role\": \"user\", \"content\": 1}], not text"),
+    ("dpo.py", b'{"input": [{"content": "1+2="}], "chosen": "3", "rejected": "4"}',
+     "'input' is [{\"content\": \"1+2=\"}], not text"),
+    ("dpo.py", b'{"input": "1+2=", "chosen": "3", "rejected": false}', "'rejected' is false, not text"),
     ("grpo.py", b'{"input": null, "label": "3"}', "missing key 'input'"),
     ("grpo.py", b'{"input": true, "label": "3"}', "'input' is true, not text"),
     ("sft.py", b'{"input": "1+2=", "output": "3 \xe9"}', "is not UTF-8 text (byte 0xe9): save the file as UTF-8"),
 ])
 def test_data_of_the_wrong_type_or_bytes_names_file_and_line(toy_world, tmp_path, script, line, message):
-    """The issue's cases: a file that is not UTF-8 (a 24-line UnicodeDecodeError) and a record whose input is a number
-    (a TypeError from tokenize_sample) named neither file nor line. Now one line with both, the value and the key."""
+    """The issue's cases: a file that is not UTF-8 (a 24-line UnicodeDecodeError) and a record whose input is not text
+    named neither file nor line. Now one line with both, the value and the key. (A number is text: numeric_input.)"""
     good = b'{"input": "1+2=", "output": "3", "chosen": "3", "rejected": "4", "label": "3"}'
     data = tmp_path / "data.jsonl"
     data.write_bytes(b"\n".join([good, good, line, good]) + b"\n")
@@ -372,12 +383,46 @@ def test_a_json_arrays_records_and_a_margin_are_named_by_line(toy_world, tmp_pat
     """A .json array's record is named by the line it starts on (a naive scan of the text: the 3rd record starts on
     line 4, after one spread over two lines); rm.py's --margin_key value that is not a number is named too."""
     data = tmp_path / "data.json"
-    data.write_text('[\n {"input": "1+2=", "output": "3"},\n {"input": "1+3=",\n  "output": "4"}, {"input": 7, '
+    data.write_text('[\n {"input": "1+2=", "output": "3"},\n {"input": "1+3=",\n  "output": "4"}, {"input": true, '
                     '"output": "8"}\n]\n')
     error = one_line_error(run_main("sft.py", "--dataset", data, cwd=tmp_path, check=False))
-    assert error.startswith(f"error: {data}: line 4 (record 2): 'input' is 7, not text"), error
+    assert error.startswith(f"error: {data}: line 4 (record 2): 'input' is true, not text"), error
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text('{"input": "1+2=", "chosen": "3", "rejected": "4", "margin": 1}\n'
                      '{"input": "1+2=", "chosen": "3", "rejected": "4", "margin": "large"}\n')
     error = one_line_error(run_main("rm.py", "--dataset", pairs, "--margin_key", "margin", cwd=tmp_path, check=False))
     assert error == f"error: {pairs}: line 2: 'margin' is 'large', not a number (its margin)"
+
+
+def test_a_numeric_input_is_its_text(toy_world, tmp_path):
+    """The issue's `"input": 5` (a TypeError from tokenize_sample) is legal data: a number is written as its text, as
+    the scripts always wrote a numeric response. Read and formatted as "5", with and without a chat template."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"input": 5, "output": 6}\n')
+    assert common.load_records(data, required_keys=["input", "output"], text_keys=["input", "output"]) == [
+        {"input": 5, "output": 6}]
+    tokenizer = common.load_tokenizer(toy_world / "model", argparse.Namespace(trust_remote_code=False))
+    plain = argparse.Namespace(apply_chat_template=False, input_template=None)
+    assert common.format_prompt(5, tokenizer, plain) == "5"
+    tokenizer.chat_template = (toy_world / "plain_chat.jinja").read_text()
+    chat = argparse.Namespace(apply_chat_template=True, input_template=None)
+    assert common.format_prompt(5, tokenizer, chat) == common.format_prompt("5", tokenizer, chat)
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's, not ours
+def test_a_causal_lms_lora_adapter_is_no_reward_model(toy_world, tmp_path):
+    """transformers loads a LoRA adapter's directory as the classifier asked for, with nothing reported missing: an SFT
+    adapter (no `score` in its modules_to_save) would score with a random head. Stops in the same one line."""
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(toy_world / "model")
+    get_peft_model(base, LoraConfig(r=4, target_modules="all-linear")).save_pretrained(tmp_path / "sft_lora")
+    AutoTokenizer.from_pretrained(toy_world / "model").save_pretrained(tmp_path / "sft_lora")
+    import serve_rm
+
+    args = argparse.Namespace(reward_pretrain=str(tmp_path / "sft_lora"), rm_type="seq_cls", trust_remote_code=False,
+                              bf16=False, flash_attn=False, load_in_4bit=False, normalize_reward=False)
+    with pytest.raises(SystemExit) as e:
+        serve_rm.load(args)
+    assert str(e.value).startswith(f"error: {tmp_path / 'sft_lora'} has no trained score head: its weights lack score "
+                                   "(an adapter trained without it: a causal LM's)"), e.value

@@ -71,20 +71,35 @@ def test_another_scripts_checkpoint_stops_in_one_line(checkpoints, script, tmp_p
 
 
 def test_a_finished_run_another_model_or_flags_stop(checkpoints, tmp_path, toy_world):
-    ckpt = checkpoints["sft.py"]
+    """A finished run (its final model saved after its last checkpoint), another model (toy_world's model_half: the
+    same architecture, other weights), another state-shaping flag: one line each. A model moved elsewhere is the
+    same model: its run resumes."""
+    ckpt = tmp_path / "sft_checkpoints"
+    shutil.copytree(checkpoints["sft.py"], ckpt)
     tag = ckpt / "global_step1"
     run = json.loads((tag / "run.json").read_text())
-    assert run == {"script": "sft.py", "pretrain": str((toy_world / "model").resolve()), "lora_rank": 0,
-                   "zero_stage": 0}
+    assert run.keys() == {"script", "pretrain", "model", "lora_rank", "target_modules", "zero_stage"}
+    assert run["script"] == "sft.py" and run["pretrain"] == str(toy_world / "model") and run["lora_rank"] == 0
     resume = [*one_step("sft.py", tmp_path, toy_world), "--load_checkpoint", "--ckpt_path", ckpt]
+    out = tmp_path / "sft"
+    shutil.copytree(checkpoints["sft.py"].parent / "sft", out)  # the finished run's model, written after its checkpoint
     assert error(run_main("sft.py", *resume, check=False)) == (
         f"error: --load_checkpoint: {tag} is at step 1, this run has 1 steps: the run is finished (its model: "
-        f"{tmp_path / 'sft'}); more epochs or episodes continue it; a new --ckpt_path starts afresh")
-    assert error(run_main("sft.py", *resume, "--pretrain", toy_world / "sft_short", check=False)).startswith(
-        f"error: --load_checkpoint: {tag} continues a run with --pretrain {run['pretrain']}, this run has --pretrain ")
+        f"{out}); more epochs or episodes continue it; a new --ckpt_path starts afresh")
+    assert error(run_main("sft.py", *resume, "--pretrain", toy_world / "model_half", check=False)) == (
+        f"error: --load_checkpoint: {tag} continues a run from --pretrain {toy_world / 'model'}, another model than "
+        f"this run's --pretrain {toy_world / 'model_half'} (their configs or weights differ): resume with the model it "
+        "started from, or give a new --ckpt_path")
     assert error(run_main("sft.py", *resume, "--lora_rank", 4, check=False)) == (
         f"error: --load_checkpoint: {tag} continues a run with --lora_rank 0, this run has --lora_rank 4: resume with "
         "the flags it was saved with, or give a new --ckpt_path")
+
+    # a run stopped after its last checkpoint, before its final save (a crash in the final eval, Ctrl-C): resumed, it
+    # trains no step and saves the model; its model moved to another directory is still its model
+    shutil.rmtree(out)
+    moved = shutil.copytree(toy_world / "model", tmp_path / "moved" / "model")
+    proc = run_main("sft.py", *resume, "--pretrain", moved)
+    assert f"resumed from {ckpt} at step 1" in proc.stderr and (out / "eval_results.json").is_file()
 
 
 def test_a_checkpoint_without_run_json_still_resumes(checkpoints, tmp_path, toy_world):
@@ -102,8 +117,8 @@ def test_a_checkpoint_without_run_json_still_resumes(checkpoints, tmp_path, toy_
     (old / "global_step2").rename(old / "global_step20")
     (old / "latest").write_text("global_step20")
     assert error(run_main("sft.py", *flags, check=False)) == (
-        f"error: --load_checkpoint: {old / 'global_step20'} is at step 20, this run has 2 steps: it is not this run's; "
-        "a new --ckpt_path starts afresh")
+        f"error: --load_checkpoint: {old / 'global_step20'} is at step 20, this run has 2 steps: past this run's end: "
+        "the run that saved it was longer (more epochs, samples or episodes); a new --ckpt_path starts afresh")
 
 
 def interrupt(cmd, cwd, ready, log):

@@ -144,7 +144,7 @@ def test_online_vllm_with_a_reward_function(policy, eval_file, tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     ([], "online DPO ranks each prompt's two samples by a reward: give exactly one of --reward_pretrain"),
-    (["--reward_pretrain", "rm", "--temperature", 0], "argument --temperature: 0 is outside (0, inf)"),
+    (["--reward_pretrain", "rm", "--temperature", 0], "argument --temperature: 0 is outside [1e-05, inf)"),
     (["--reward_pretrain", "rm", "--enforce_eager"], "--enforce_eager is a vLLM option: add --vllm"),
     (["--reward_pretrain", "rm", "--ipo", "--loss_type", "hinge"], "--ipo is --loss_type ipo: not with --loss_type hinge"),
 ])

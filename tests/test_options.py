@@ -111,7 +111,7 @@ def test_help_lists_every_option_where_it_applies():
     ("grpo.py", ["--policy_loss_type", "cispo", "--dual_clip", 3], "--dual_clip and --delta cap the ppo surrogate"),
     ("grpo.py", ["--delta", 1.1, "--eps_clip_high", 0.28], "--delta 1.1 must be > 1 + --eps_clip_high (1.28)"),
     ("grpo.py", ["--kl_ratio_weighted"], "--kl_ratio_weighted weights the KL loss: add --use_kl_loss"),
-    ("grpo.py", ["--policy_loss_type", "sapo", "--tau_neg", 0], "argument --tau_neg: 0 is outside (0, inf)"),
+    ("grpo.py", ["--policy_loss_type", "sapo", "--tau_neg", 0], "argument --tau_neg: 0 is outside [1e-06, 1e+06]"),
     ("grpo.py", ["--tau_pos", 2], "--tau_pos and --tau_neg are SAPO's: add --policy_loss_type sapo"),
     ("grpo.py", ["--vllm", "--async_steps", 1], "--async_steps needs --ray: the next batch is generated while"),
     ("grpo.py", ["--ray", "--async_steps", 1, "--dynamic_filtering"], "--dynamic_filtering draws as many batches"),
@@ -503,3 +503,372 @@ def test_ref_reward_offload_reaches_from_pretrained_under_zero3(policy):
     assert proc.returncode == 0, proc.stderr[-3000:]
     where = json.loads(proc.stdout.strip().splitlines()[-1])
     assert where == {"False": ["local"], "True": ["offload:cpu"]}
+
+
+# -------------------------------------------------------------------------------- extreme values inside a range
+# An in-range extreme either works or is refused where it is parsed; none crashes after loading (issue 64, item 7:
+# `--eps_clip_high 1e308` was a traceback from torch's clamp a minute into a run). Every number flag of every script
+# below is either fed to the function it feeds at both ends of its range (1e308 or 10**18 where the range is open
+# upward, the first number past an open end), which must give finite numbers, or is listed in EXTREME_SAFE with what
+# it feeds (only counted, compared or sliced). A new number flag fails test_every_number_flag_works_at_its_extremes
+# until it is put in one or the other.
+EXTREME_SCRIPTS = ("sft", "rm", "prm", "dpo", "grpo", "ppo", "online_dpo", "distill", "make_pairs")  # serve_rm.py and
+# agent_server.py are their own (tests/test_serve_rm.py, tests/test_agent_server.py)
+EXTREME_SAFE = {
+    "max_samples": "caps the records read (a slice)",
+    "max_len": "truncates or drops sequences (slices and comparisons)",
+    "prompt_max_len": "drops longer prompts (a comparison)",
+    "micro_train_batch_size": "a slice; must divide --train_batch_size (ds_config says so in one line)",
+    "train_batch_size": "a slice; more than the samples is refused in one line",
+    "rollout_batch_size": "a slice; more than the prompts is refused in one line",
+    "micro_rollout_batch_size": "a chunk of a rollout (a slice)",
+    "logging_steps": "step % N", "save_steps": "step % N", "eval_steps": "step % N", "max_ckpt_num": "a comparison",
+    "eval_generate_samples": "a slice of the eval set", "log_samples": "a slice of a batch",
+    "freezing_actor_steps": "a comparison with the step", "max_turns": "a comparison with an episode's turns",
+    "async_steps": "a semaphore's count (--ray)", "remote_rm_batch_size": "range()'s step over the queries",
+    "lmbda": "compared with random.random()", "dynamic_filtering_reward_range": "compared with float64 group means",
+    "vllm_num_engines": "a device count: more than the GPUs is refused in one line (--ray)",
+    "vllm_tensor_parallel_size": "a device count: must divide the processes (checked in one line)",
+    "vllm_gpu_memory_utilization": "vLLM's share of the GPU, (0, 1], handed to vLLM as it is",
+    "n_samples_per_prompt": "how many samples a rollout holds: at most 65536 per prompt",
+    "eval_n_samples_per_prompt": "how many samples an eval holds: at most 65536 per prompt",
+}
+
+
+def number_flags(script):
+    """(action, kind, lo, hi, lo_open, hi_open) of each common.ranged flag of a script, its parser taken where the
+    script would parse its command line (as test_bad_input's check of the defaults does); nothing runs after."""
+    import argparse
+    import importlib
+
+    class Parsed(Exception):
+        pass
+
+    def stop(parser, *_):
+        raise Parsed(parser)
+
+    saved = common.parse_args, common.quiet_libraries, argparse.ArgumentParser.parse_args, sys.argv
+    common.parse_args, common.quiet_libraries, argparse.ArgumentParser.parse_args = stop, lambda: None, stop
+    sys.argv = [f"{script}.py"]
+    try:
+        module = importlib.import_module(script)
+        getattr(module, "parse_args", module.main)()
+    except Parsed as p:
+        parser = p.args[0]
+    finally:
+        common.parse_args, common.quiet_libraries, argparse.ArgumentParser.parse_args, sys.argv = saved
+    out = []
+    for action in parser._actions:
+        assert action.type not in (int, float) or action.choices or action.dest == "local_rank", \
+            f"{script}.py {action.option_strings[0]}: a number flag without common.ranged"  # (the launcher's own)
+        cells = dict(zip(getattr(action.type, "__code__", None) and action.type.__code__.co_freevars or (),
+                         (c.cell_contents for c in getattr(action.type, "__closure__", None) or ())))
+        if "kind" in cells:
+            out.append((action, cells["kind"], cells["lo"], cells["hi"], cells["lo_open"], cells["hi_open"]))
+    return module, out
+
+
+def extreme_ends(kind, lo, hi, lo_open, hi_open):
+    """The first and last values a range takes: 1e308 / 10**18 for an infinite end, one step in from an open one."""
+    big = 10**18 if kind is int else 1e308
+    step = (lambda x, to: x + (1 if to > x else -1)) if kind is int else math.nextafter
+    first = -big if lo == -math.inf else step(lo, math.inf) if lo_open else lo
+    last = big if hi == math.inf else step(hi, -math.inf) if hi_open else hi
+    return kind(first), kind(last)
+
+
+def finite(*tensors):
+    for t in tensors:
+        assert torch.isfinite(torch.as_tensor(t)).all(), t
+
+
+def policy_inputs():
+    """Log-probs (a leaf) with ratios e^-3 .. e^3 to the old ones, advantages > 0, < 0 and 0, a padded mask."""
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 6, generator=g) * 3
+    logprobs = (old + torch.randn(4, 6, generator=g)).clamp(-20, 0).requires_grad_()
+    advantages = torch.tensor([[1.5], [-2.0], [0.0], [-0.5]]).expand(4, 6)
+    mask = torch.ones(4, 6)
+    mask[1, 4:] = 0
+    return logprobs, old, advantages, mask
+
+
+def loss_and_grad(fn):
+    """fn(logprobs, old, advantages, mask) -> a loss: finite, and so its gradient."""
+    logprobs, old, advantages, mask = policy_inputs()
+    loss = fn(logprobs, old, advantages, mask)
+    loss.backward()
+    finite(loss, logprobs.grad)
+
+
+def surrogate(m, **kw):
+    """A script's policy_loss (grpo.py's, ppo.py's) with these keywords: finite, and its gradient."""
+    loss_and_grad(lambda lp, old, a, mask: m.policy_loss(lp, old, a, mask, **kw))
+
+
+def rollout_stub(rewards, lengths, stopped):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(lengths=torch.tensor(lengths), stopped=torch.tensor(stopped)), \
+        lambda batch: {"rewards": torch.tensor(rewards), "scores": torch.tensor(rewards), "logs": {}}
+
+
+def grpo_score(m, **flags):
+    """score's rewards (the penalties applied) -> group advantages and the update's loss: all finite."""
+    args = script_args(**{"non_stop_penalty": None, "overlong_buffer_len": 0, "overlong_penalty_factor": 1.0,
+                          "generate_max_len": 8, **flags})
+    batch, reward_fn = rollout_stub([1.0, 0.0, 0.5, -1.0], [8, 3, 8, 5], [False, True, False, True])
+    rewards = m.score(batch, reward_fn, args)["rewards"]
+    for estimator in m.ESTIMATORS:
+        advantages = m.group_advantages(rewards, 4, estimator)
+        finite(rewards, advantages, common.masked_whiten(advantages[:, None].expand(4, 3), torch.ones(4, 3)))
+
+
+def ppo_score(m, **flags):
+    """score's rewards (penalty, then the clip) through the KL reward and GAE: all finite."""
+    args = script_args(**{"non_stop_penalty": None, "reward_clip_range": (-10.0, 10.0), **flags})
+    batch, reward_fn = rollout_stub([1.0, 0.0, 0.5, -1.0], [8, 3, 8, 5], [False, True, False, True])
+    rewards = m.score(batch, reward_fn, args)["rewards"]
+    token_rewards = m.kl_penalized_rewards(rewards, torch.rand(4, 8), torch.ones(4, 8), 0.01)
+    advantages, returns = m.compute_gae(token_rewards, torch.randn(4, 8), torch.ones(4, 8), 1.0, 0.95)
+    finite(rewards, advantages, returns, m.value_loss(torch.randn(4, 8), torch.randn(4, 8), returns, torch.ones(4, 8)))
+
+
+def kl_penalty(m, kl_coef):
+    """--init_kl_coef: ppo.py's per-token KL reward through GAE; grpo.py's in the advantages, and in the loss
+    (--use_kl_loss): finite."""
+    kl, mask = torch.rand(4, 6), torch.ones(4, 6)
+    if hasattr(m, "kl_penalized_rewards"):
+        finite(*m.compute_gae(m.kl_penalized_rewards(torch.rand(4), kl, mask, kl_coef), torch.randn(4, 6), mask, 1, 1))
+    else:
+        finite(m.token_advantages(torch.randn(4), kl, mask, kl_coef))
+        surrogate(m, ref_logprobs=-torch.rand(4, 6), kl_coef=kl_coef)
+
+
+def weight(x):
+    """A loss weight: x times a loss term up to 1e4 in magnitude, and its gradient squared (AdamW's second moment),
+    stay finite in float32."""
+    term = torch.tensor([1e4, -1e4, 0.5], requires_grad=True)
+    (x * term).sum().backward()
+    finite(x * term.detach(), term.grad ** 2)
+
+
+def optimizer_steps(**flags):
+    """The training scripts' optimizer and schedule (setup_deepspeed's: fused AdamW, transformers' schedule of
+    num_training_steps; DeepSpeed's clipping at --max_norm), three steps: finite weights and learning rates."""
+    import transformers
+
+    a = script_args(**flags)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=a.learning_rate, betas=a.adam_betas, weight_decay=a.l2,
+                                  fused=True)
+    total = flags.get("total_steps", 3)
+    scheduler = transformers.get_scheduler(a.lr_scheduler, optimizer, int(a.lr_warmup_ratio * total), total,
+                                           scheduler_specific_kwargs={"min_lr_rate": 0.1})
+    for _ in range(3):
+        model(torch.randn(2, 4)).square().sum().backward()
+        if a.max_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    finite(*model.parameters(), scheduler.get_last_lr()[0])
+
+
+def lr_schedule(x):
+    """--max_epochs or --num_episodes x: the schedule's length at least x steps."""
+    optimizer_steps(total_steps=x * 100)
+
+
+def tiny_llama(vocab_size=16, **config):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                        **config))
+
+
+def lora_adapters(**flags):
+    """lora.add_adapters on a tiny Llama (layers 8 and 16 wide), one AdamW step at --learning_rate 1e-3: a finite
+    forward before and after. (--lora_rank 65536 on q_proj alone: the others would only repeat it, 8x slower.)"""
+    import lora
+
+    flags = {"lora_rank": 1, **flags, **({"target_modules": ["q_proj"]} if flags.get("lora_rank", 0) > 64 else {})}
+    model = lora.add_adapters(tiny_llama(), script_args(**flags)).train()
+    ids = torch.randint(0, 16, (2, 5))
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3).step()
+    finite(out.logits, model(input_ids=ids).logits)
+
+
+def reward_server(m, **flags):
+    """A reward server that refuses connections, at these timeouts and retries: the run stops in one line (the
+    failing server named), not with another exception."""
+    kw = {"timeout": 60.0, "retries": 0, "retry_wait": 0.0, "batch_size": 64, **flags}
+    port = common.free_port()
+    with pytest.raises(SystemExit, match=f"reward server http://127.0.0.1:{port}/get_reward failed"):
+        m.remote_rewards(f"http://127.0.0.1:{port}/get_reward", ["q"], ["p"], [None], **kw)
+
+
+def agent_timeout(x):
+    """agents.call's asyncio.wait_for at --agent_timeout x: done, or a timeout (the episode's one-line error)."""
+    import asyncio
+
+    async def call():
+        try:
+            await asyncio.wait_for(asyncio.sleep(0.001), x)
+        except (TimeoutError, asyncio.TimeoutError):
+            pass
+
+    asyncio.run(call())
+
+
+def rollout_correction(bounds):
+    import engines
+
+    g = torch.Generator().manual_seed(1)
+    old = -torch.rand(3, 5, generator=g) * 3
+    engine = old + torch.randn(3, 5, generator=g) * 2
+    for mode in engines.ROLLOUT_CORRECTIONS:
+        finite(engines.rollout_correction_weights(old, engine, torch.ones(3, 5), mode, bounds)[0])
+
+
+def dpo_losses(m, **kw):
+    """Each loss type of a script's dpo_loss on log-prob sums up to 1e4 apart: finite loss and gradient."""
+    chosen = torch.tensor([-20.0, -1e4, -3.0], requires_grad=True)
+    for loss_type in m.LOSS_TYPES if not kw.get("label_smoothing") else ["sigmoid"]:
+        loss, c, r = m.dpo_loss(chosen, torch.tensor([-25.0, -2.0, -3.0]), torch.tensor([-21.0, -5e3, -3.0]),
+                                torch.tensor([-24.0, -1.0, -3.0]), loss_type=loss_type, **kw)
+        chosen.grad = None
+        loss.backward()
+        finite(loss, c, r, chosen.grad)
+
+
+def sampling(m, model, tokenizer, temperature=1.0, top_p=1.0):
+    """A script's generate_hf and the log-probs at that temperature (what the update divides by it): finite. (Each
+    script's copy samples alike: test_copies; so each value is checked with the first script's.)"""
+    prompts = [torch.tensor(tokenizer(t)["input_ids"]) for t in ("12+34=", "7+8=")]
+    responses = m.generate_hf(model, tokenizer, prompts, temperature, top_p, max_new_tokens=3)
+    pairs = [(p, r if len(r) else torch.tensor([tokenizer.eos_token_id])) for p, r in zip(prompts, responses)]
+    finite(common.response_logprobs(model, pairs, tokenizer.pad_token_id, False, temperature or 1.0)[0])
+
+
+def extreme_checks(model, tokenizer):
+    """{flag's dest: f(value, script module)}: the function the flag feeds, at that value; finite numbers or bust."""
+    import distill
+    import ppo
+
+    return {
+        "eps_clip_low": lambda x, m: surrogate(m, eps_clip_low=x),
+        "eps_clip_high": lambda x, m: [surrogate(m, eps_clip_high=x, policy_loss_type=t) for t in ("ppo", "cispo")],
+        "dual_clip": lambda x, m: surrogate(m, dual_clip=x),
+        "delta": lambda x, m: surrogate(m, delta=x),
+        "tau_pos": lambda x, m: surrogate(m, policy_loss_type="sapo", tau_pos=x),
+        "tau_neg": lambda x, m: surrogate(m, policy_loss_type="sapo", tau_neg=x),
+        "eps_clip": lambda x, m: surrogate(m, eps_clip=x) if m is ppo else loss_and_grad(
+            lambda lp, old, a, mask: distill.sampled_kl_loss(lp, old, old - a, mask, eps_clip=x)),
+        "value_clip": lambda x, m: loss_and_grad(lambda lp, old, a, mask: m.value_loss(lp, old, a, mask, value_clip=x)),
+        "reward_clip_range": lambda x, m: ppo_score(m, reward_clip_range=x),
+        "non_stop_penalty": lambda x, m: ppo_score(m, non_stop_penalty=x) if m is ppo else grpo_score(
+            grpo, non_stop_penalty=x),  # (online_dpo.py's: the same torch.where, then pairs ranked by it)
+        "overlong_penalty_factor": lambda x, m: grpo_score(m, overlong_buffer_len=7, overlong_penalty_factor=x),
+        "overlong_buffer_len": lambda x, m: grpo_score(m, overlong_buffer_len=x, generate_max_len=x + 1),
+        "init_kl_coef": lambda x, m: kl_penalty(m, x),
+        "kl_target": lambda x, m: [finite(m.adaptive_kl_coef(0.05, kl, x, 10000, 64)) for kl in (0.0, 0.1, -1e-3, 1e3)],
+        "kl_horizon": lambda x, m: [finite(m.adaptive_kl_coef(0.05, kl, 0.1, x, 64)) for kl in (0.0, 0.1, 1e3)],
+        "gamma": lambda x, m: finite(*m.compute_gae(torch.randn(4, 6), torch.randn(4, 6), torch.ones(4, 6), x, 0.95)),
+        "lambd": lambda x, m: finite(*m.compute_gae(torch.randn(4, 6), torch.randn(4, 6), torch.ones(4, 6), 1.0, x)),
+        "entropy_loss_coef": lambda x, m: weight(x),
+        "aux_loss_coef": lambda x, m: weight(x),
+        "nll_loss_coef": lambda x, m: weight(x),
+        "beta": lambda x, m: dpo_losses(m, beta=x) if m is not distill else finite(
+            distill.generalized_jsd_loss(torch.randn(3, 7) * 10, torch.randn(3, 7) * 10, beta=x)),
+        "label_smoothing": lambda x, m: dpo_losses(m, label_smoothing=x),
+        "learning_rate": lambda x, m: optimizer_steps(learning_rate=x),
+        "critic_learning_rate": lambda x, m: optimizer_steps(learning_rate=x),
+        "l2": lambda x, m: optimizer_steps(learning_rate=1.0, l2=x),
+        "adam_betas": lambda x, m: optimizer_steps(learning_rate=1.0, adam_betas=x),
+        "max_norm": lambda x, m: optimizer_steps(max_norm=x),
+        "lr_warmup_ratio": lambda x, m: optimizer_steps(lr_warmup_ratio=x),
+        "max_epochs": lambda x, m: lr_schedule(x),
+        "num_episodes": lambda x, m: lr_schedule(x),
+        "generate_max_len": lambda x, m: surrogate(grpo, loss_agg_mode="seq-mean-token-sum-norm",
+                                                        generate_max_len=x),
+        "seed": lambda x, m: common.set_seed(x),
+        "lora_rank": lambda x, m: x and lora_adapters(lora_rank=x),
+        "lora_alpha": lambda x, m: lora_adapters(lora_alpha=x),
+        "lora_dropout": lambda x, m: lora_adapters(lora_dropout=x),
+        "temperature": lambda x, m: sampling(m, model, tokenizer, temperature=x),
+        "eval_temperature": lambda x, m: sampling(m, model, tokenizer, temperature=x),
+        "top_p": lambda x, m: sampling(m, model, tokenizer, top_p=x),
+        "remote_rm_timeout": lambda x, m: reward_server(m, timeout=x),
+        "remote_rm_retry_wait": lambda x, m: reward_server(m, retry_wait=x),
+        "remote_rm_retries": lambda x, m: reward_server(m, retries=x),
+        "agent_timeout": lambda x, m: agent_timeout(x),
+        "rollout_correction_bounds": lambda x, m: rollout_correction(x),
+    }
+
+
+def test_every_number_flag_works_at_its_extremes(tokenizer):
+    """Both ends of every number flag's range (nargs 2: both values at once, and each end for both), parsed as given
+    on the command line, then fed to what the flag feeds: finite numbers, no exception; or the flag is in
+    EXTREME_SAFE. Each check runs once for a value shared by several scripts' copies of a function they share.
+    Sampling runs on a tiny Llama whose logits reach +-30, as a trained model's do."""
+    model = tiny_llama(len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                       bos_token_id=tokenizer.bos_token_id).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30 / model(torch.tensor([[1, 2, 3]])).logits.abs().max())
+    checks, done, unclassified = extreme_checks(model, tokenizer), set(), []
+    for script in EXTREME_SCRIPTS:
+        module, flags = number_flags(script)
+        for action, kind, lo, hi, lo_open, hi_open in flags:
+            first, last = extreme_ends(kind, lo, hi, lo_open, hi_open)
+            assert action.type(repr(first)) == first and action.type(repr(last)) == last, action.dest
+            values = [(first, last), (first, first), (last, last)] if action.nargs == 2 else [first, last]
+            if action.dest in EXTREME_SAFE:
+                continue
+            if action.dest not in checks:
+                unclassified.append(f"{script}.py {action.option_strings[0]}")
+                continue
+            own = module if action.dest in ("eps_clip", "dual_clip", "value_clip", "beta", "label_smoothing",
+                                            "non_stop_penalty", "init_kl_coef", "remote_rm_timeout",
+                                            "remote_rm_retry_wait", "remote_rm_retries") else None  # its own function
+            shared = "temperature" if action.dest == "eval_temperature" else action.dest  # the same sampling
+            for x in values:
+                if action.dest == "rollout_correction_bounds" and not x[0] <= 1 <= x[1]:
+                    continue  # refused in one line (engines.check_rollout_correction)
+                if action.dest == "reward_clip_range" and x[0] > x[1]:
+                    continue  # refused in one line (ppo.py: need LO <= HI)
+                if (shared, own, x) not in done:
+                    try:
+                        checks[action.dest](x, module)
+                    except BaseException as e:
+                        raise AssertionError(f"{script}.py {action.option_strings[0]} {x}: {e!r}") from e
+                    done.add((shared, own, x))
+    assert not unclassified, f"number flags neither checked at their extremes nor EXTREME_SAFE: {unclassified}"
+
+
+def test_eps_clip_high_1e308_is_no_clip(policy, tmp_path):
+    """The issue's case: --eps_clip_high 1e308 is parsed, and is no upper clip: the surrogate of ratios far above
+    1 + eps equals -min(ratio A, max(ratio, 1 - eps_low) A), finite, in float32 and float64; a short run (two steps,
+    the second sampling from the first's update) with it and the other clips at their extremes ends normally."""
+    for dtype in (torch.float32, torch.float64):
+        ratio = torch.tensor([[0.5, 1.0, 3.0, 1e30]], dtype=dtype)
+        advantages = torch.tensor([[1.0, -1.0, 2.0, -0.5]], dtype=dtype)
+        for loss_type in ("ppo", "cispo"):
+            logprobs = ratio.log().requires_grad_()
+            loss = grpo.token_policy_loss(logprobs, torch.zeros_like(ratio), advantages, eps_clip_low=0.2,
+                                          eps_clip_high=1e308, policy_loss_type=loss_type)
+            expected = -torch.min(ratio * advantages, ratio.clamp(min=0.8) * advantages) if loss_type == "ppo" \
+                else -ratio * advantages * ratio.log()
+            assert torch.allclose(loss, expected) and torch.isfinite(loss).all()
+            loss.sum().backward()
+            finite(logprobs.grad)
+    proc = run_main("grpo.py", "--pretrain", policy, "--max_samples", 32, "--rollout_batch_size", 16,
+                    "--n_samples_per_prompt", 2, "--train_batch_size", 32, "--micro_train_batch_size", 32,
+                    "--generate_max_len", 4, "--eval_dataset", "", "--eps_clip_high", "1e308",
+                    "--eps_clip_low", "1e308", "--dual_clip", "1e308", "--non_stop_penalty", -1e6,
+                    "--learning_rate", 1e-3, "--logging_steps", 1, "--save_path", tmp_path / "g")
+    assert "Traceback" not in proc.stderr and results(tmp_path / "g")["steps"] == 2

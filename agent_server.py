@@ -634,7 +634,7 @@ def main():
     args.prompt_max_len = None
     args.save_path = "agent_server"
     engine = ChatAgentEngine(generate, args, tokenizer)
-    engine.endpoint.context = positions(model, tokenizer)
+    engine.endpoint.context = positions(model, tokenizer)  # (the training endpoint's has none: it clips to budgets)
     out = engine.sample([{"input": r[args.input_key], "text": "", "label": r.get(args.label_key)} for r in records],
                         args.temperature)
     for i, record in enumerate(out["records"]):  # what the policy sampled in [brackets]

@@ -305,9 +305,12 @@ def main():
 
     def margin(record, where):
         try:
-            return float(record[args.margin_key]) if args.margin_key else 0.0
+            value = float(record[args.margin_key]) if args.margin_key else 0.0
         except (TypeError, ValueError):
+            value = math.nan
+        if not math.isfinite(value):  # (NaN, a string of no number: every loss would be NaN)
             common.fail(f"{where}: {args.margin_key!r} is {record[args.margin_key]!r}, not a number (its margin)")
+        return value
 
     def tokenize(records, locations):
         return [(tokenize_response(r, args.chosen_key, tokenizer, args, where),

@@ -37,7 +37,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-TOY_DIR = Path(os.environ.get("TOY_WORLD_DIR", Path(__file__).resolve().parent / "toy_world"))
+TOY_DIR = Path(__file__).resolve().parent / "toy_world"  # (unless $TOY_WORLD_DIR says, read when a world is wanted)
 VERSION = "8"  # bump when the generator changes, so stale worlds get rebuilt (8: plain_chat.jinja)
 PLACEHOLDER = "ки"  # step marker for PRM data (Math-Shepherd's), one token in the toy tokenizer
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # the tokenizer's special tokens, in vocabulary order
@@ -200,12 +200,13 @@ def is_current(path):
     return (path / "VERSION").is_file() and (path / "VERSION").read_text() == VERSION
 
 
-def ensure_toy_world(path=TOY_DIR):
-    """Build the toy world at `path` unless an up-to-date one is there; return the path.
+def ensure_toy_world(path=None):
+    """Build the toy world at `path` (default: $TOY_WORLD_DIR as it is now, else ./toy_world beside this file) unless an
+    up-to-date one is there; return the path.
     Concurrent callers (every rank of every node that shares the directory) take turns on a lock file beside it: the
     first builds (in a temporary directory, renamed into place, so a crash leaves no half world), the others find it
     built. Without the lock a caller could remove a stale world just as another renamed the fresh one in."""
-    path = Path(path)
+    path = Path(path or os.environ.get("TOY_WORLD_DIR", TOY_DIR))
     if is_current(path):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -239,7 +240,7 @@ def ensure_toy_world(path=TOY_DIR):
 
 
 if __name__ == "__main__":
-    root = ensure_toy_world(sys.argv[1] if len(sys.argv) > 1 else TOY_DIR)
+    root = ensure_toy_world(sys.argv[1] if len(sys.argv) > 1 else None)
     for f in sorted(root.glob("*.jsonl")):
         print(f"{f.name:24s} {sum(1 for _ in open(f)):6d} records   e.g. {open(f).readline().strip()}")
     print(f"model/ at {root / 'model'}")

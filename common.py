@@ -449,10 +449,9 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
 
 
 def check_head(path, model, missing, new_head, hint):
-    """A classifier's head must be in its checkpoint: a causal LM loaded as one gets a random head that scores
-    plausibly (one line, `hint` appended: text, or a function of the model's config), unless `new_head` starts one on
-    a causal LM (rm.py, a critic, merge_lora's base under its adapter). A LoRA adapter carries its head in
-    modules_to_save (a causal LM's adapter loads with nothing missing)."""
+    """A classifier's head is in its checkpoint (an adapter's in modules_to_save), or one line ending in `hint` (text, or
+    a function of the config): a causal LM loaded as one scores plausibly with a random head. Only `new_head` starts
+    one, on a causal LM (rm.py, a critic, merge_lora's base under its adapter)."""
     saved_as = model.config.architectures or []  # the checkpoint's classes
     adapter = Path(path) / "adapter_config.json"
     if adapter.is_file() and not new_head and "score" not in (json.loads(adapter.read_text()).get("modules_to_save")
@@ -585,8 +584,8 @@ def load_records(source, split="train", required_keys=(), max_samples=None, with
                  seed=42, hint=None, text_keys=()):
     """A list of dict records from .jsonl/.json/.parquet/.csv files, saved dataset dirs or hub names, comma-separated
     (concatenated, or mixed with `probs`: mix_records). With `with_locations`, also each record's location ("file: line
-    N") for the caller's errors. `hint`: what a missing key's error adds (a script's other way to read the data).
-    `text_keys` hold text: a string or number, or a conversation (a list of {"role": str, "content": ...})."""
+    N") for the caller's errors. `hint`: what a missing key's error adds (a script's other way to read the data);
+    `text_keys`: the keys whose values must be text (read_records says what text is)."""
     sources = [s for s in str(source).split(",") if s] or [str(source)]
     if probs is None:
         rows = [row for s in sources for row in read_records(s, split, required_keys, max_samples, hint, text_keys)]

@@ -6,6 +6,7 @@ on the five tokenizer families of tests/families.py where tokens are involved.""
 import argparse
 import ast
 import json
+import math
 import os
 import re
 
@@ -216,6 +217,15 @@ def test_dpo_losses_are_the_same():
                 grads = torch.autograd.grad(loss, logps)
                 outs.append((loss.item(), chosen.tolist(), rejected.tolist(), [g.tolist() for g in grads]))
             assert outs[0] == outs[1], (loss_type, smoothing)
+
+
+def test_clip_bounds_are_the_same():
+    """grpo.py's, ppo.py's and distill.py's clip_bound: a bound its tensor's dtype holds as it is, one past it +-inf
+    (by hand: float32 and bfloat16 end near 3.4e38, float64 at 1.8e308)."""
+    f32, f64, bf16 = (torch.zeros(1, dtype=d) for d in (torch.float32, torch.float64, torch.bfloat16))
+    for x, like, want in [(1.2, f32, 1.2), (-0.8, f64, -0.8), (3.4e38, f32, 3.4e38), (1e308, f32, math.inf),
+                          (-1e300, bf16, -math.inf), (1e308, f64, 1e308), (math.inf, f64, math.inf)]:
+        assert [m.clip_bound(x, like) for m in (grpo, ppo, distill)] == [want] * 3, (x, like.dtype)
 
 
 @pytest.mark.parametrize("family", families.FAMILIES)

@@ -449,8 +449,8 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
 
 
 def check_head(path, model, missing, new_head, hint):
-    """A classifier's head is in its checkpoint (an adapter's in modules_to_save), or one line ending in `hint` (text, or
-    a function of the config): a causal LM loaded as one scores plausibly with a random head. Only `new_head` starts
+    """A classifier's head is in its checkpoint (an adapter's in modules_to_save), or one line ending in `hint` (text,
+    or a function of the config): a causal LM loaded as one scores plausibly with a random head. Only `new_head` starts
     one, on a causal LM (rm.py, a critic, merge_lora's base under its adapter)."""
     saved_as = model.config.architectures or []  # the checkpoint's classes
     adapter = Path(path) / "adapter_config.json"

@@ -405,19 +405,16 @@ def add_training_args(p: argparse.ArgumentParser):
     a("--micro_train_batch_size", type=ranged(int, 1), default=8, help="per-device batch of one forward/backward")
     a("--train_batch_size", type=ranged(int, 1), default=64, help="global batch of one optimizer step")
     a("--max_epochs", type=ranged(int, 1), default=1)
-    a("--learning_rate", type=ranged(float, 0, 1), default=1e-5,
-      help="AdamW's step: it moves each weight by about this much (0: the weights stay as loaded)")
+    a("--learning_rate", type=ranged(float, 0, 1), default=1e-5)  # 0: the run's weights stay as loaded
     a("--lr_warmup_ratio", type=ranged(float, 0, 1), default=0.03)
     a("--lr_scheduler", default="cosine_with_min_lr", help="any transformers scheduler name")
-    a("--l2", type=ranged(float, 0, 1), default=0.0,
-      help="AdamW weight decay: each step scales the weights by 1 - learning_rate * l2")
+    a("--l2", type=ranged(float, 0, 1), default=0.0, help="AdamW weight decay (a step scales weights by 1 - lr * l2)")
     a("--adam_betas", type=ranged(float, 0, 1, hi_open=True), nargs=2, default=(0.9, 0.95))
     a("--max_norm", type=ranged(float, 0), default=1.0, help="gradient clipping (0: none)")
     a("--seed", type=ranged(int, 0, 2**32 - 1), default=42, help="0 to 2**32 - 1 (numpy's seeds)")
     a("--overlap_comm", action="store_true", help="ZeRO: overlap gradient reduction with the backward pass")
     # LoRA / QLoRA (peft)
-    a("--lora_rank", type=ranged(int, 0, 2**16), default=0,
-      help="train LoRA adapters of this rank, not the weights (0: off; a rank above a layer's width adds nothing)")
+    a("--lora_rank", type=ranged(int, 0, 2**16), default=0, help="train LoRA adapters of this rank (0: off)")
     a("--lora_alpha", type=ranged(int, 1), default=16, help="LoRA scale: the update is alpha/rank * B A")
     a("--lora_dropout", type=ranged(float, 0, 1, hi_open=True), default=0.0)
     a("--target_modules", nargs="+", default=["all-linear"],

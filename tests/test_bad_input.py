@@ -313,6 +313,12 @@ def copy_model(src, dst, **config):
     return dst
 
 
+def serve_rm_args(path):
+    """serve_rm.load's flags at their defaults (seq_cls), for loading `path` in this process."""
+    return argparse.Namespace(reward_pretrain=str(path), rm_type="seq_cls", trust_remote_code=False, bf16=False,
+                              flash_attn=False, load_in_4bit=False, normalize_reward=False)
+
+
 def test_serve_rm_refuses_a_causal_lm_as_a_sequence_classifier(toy_world, tmp_path):
     """The issue's case: `serve_rm.py --reward_pretrain runs/sft` said ready and scored everything about -0.32 with a
     random head. Now one line naming the missing head and the --rm_type that would serve it."""
@@ -325,8 +331,7 @@ def test_serve_rm_refuses_a_causal_lm_as_a_sequence_classifier(toy_world, tmp_pa
     import serve_rm  # a prm.py model's config (placeholder_token_id): its load alone, here
 
     prm = copy_model(toy_world / "model", tmp_path / "prm", placeholder_token_id=3)
-    args = argparse.Namespace(reward_pretrain=str(prm), rm_type="seq_cls", trust_remote_code=False, bf16=False,
-                              flash_attn=False, load_in_4bit=False, normalize_reward=False)
+    args = serve_rm_args(prm)
     with pytest.raises(SystemExit) as e:
         serve_rm.load(args)
     assert str(e.value).endswith("so it would score with a random head; it is a prm.py model: --rm_type prm serves it")
@@ -420,8 +425,7 @@ def test_a_causal_lms_lora_adapter_is_no_reward_model(toy_world, tmp_path):
     AutoTokenizer.from_pretrained(toy_world / "model").save_pretrained(tmp_path / "sft_lora")
     import serve_rm
 
-    args = argparse.Namespace(reward_pretrain=str(tmp_path / "sft_lora"), rm_type="seq_cls", trust_remote_code=False,
-                              bf16=False, flash_attn=False, load_in_4bit=False, normalize_reward=False)
+    args = serve_rm_args(tmp_path / "sft_lora")
     with pytest.raises(SystemExit) as e:
         serve_rm.load(args)
     assert str(e.value).startswith(f"error: {tmp_path / 'sft_lora'} has no trained score head: its weights lack score "

@@ -9,23 +9,26 @@ Stages run as plain commands (shown as they start), each from the previous stage
     python sft.py --dataset toy_world/steps_train.jsonl ... -> runs/sft_steps   a policy that writes
                                                             running sums step by step (exact match)
     python prm.py --pretrain runs/sft_steps -> runs/prm     held-out step accuracy of the judge
-    python sft.py --max_epochs 4 ...    -> runs/sft_short   a weaker addition policy (36-80% by seed) for RL to improve
-    python make_pairs.py --pretrain runs/sft_short --remote_rm_url toy.py ... -> runs/pairs_{train,test}.jsonl
+    python sft.py --dataset toy_world/sft_sloppy_train.jsonl ... --seed 0 -> runs/sft_start   the RL stages' start:
+                                                            SFT on a careless labeller's sums, who forgets a carry 2
+                                                            times in 3 (toy.sloppy): greedy forgets every carry, so
+                                                            held-out exact match is the share of sums without one
+    python make_pairs.py --pretrain runs/sft_start --remote_rm_url toy.py ... -> runs/pairs_{train,test}.jsonl
                                                             preferences on the policy's own samples: 8 answers a
                                                             prompt, the toy rule judging (the stand-in labeller),
                                                             every right answer against each distinct wrong one
     python rm.py --pretrain runs/sft --dataset runs/pairs_train.jsonl ... -> runs/rm_policy
                                                             the RM that PPO and online DPO learn from
-    python grpo.py --pretrain runs/sft_short [--vllm] -> runs/grpo, runs/grpo_vllm
+    python grpo.py --pretrain runs/sft_start [--vllm] -> runs/grpo, runs/grpo_vllm
                                                             held-out accuracy before -> after, s/step
-    python distill.py --pretrain runs/sft_short --teacher_pretrain runs/sft --lmbda 1 -> runs/distill
+    python distill.py --pretrain runs/sft_start --teacher_pretrain runs/sft --lmbda 1 -> runs/distill
                                                             on-policy distillation: held-out accuracy before -> after
-    python dpo.py --pretrain runs/sft_short --dataset runs/pairs_train.jsonl ... -> runs/dpo
-    python online_dpo.py --pretrain runs/sft_short --reward_pretrain runs/rm_policy -> runs/dpo_online
+    python dpo.py --pretrain runs/sft_start --dataset runs/pairs_train.jsonl ... -> runs/dpo
+    python online_dpo.py --pretrain runs/sft_start --reward_pretrain runs/rm_policy -> runs/dpo_online
                                                             held-out exact match, or greedy accuracy, before -> after
-    python ppo.py --pretrain runs/sft_short --reward_pretrain runs/rm_policy --normalize_reward ... [--vllm | --ray]
+    python ppo.py --pretrain runs/sft_start --reward_pretrain runs/rm_policy --normalize_reward ... [--vllm | --ray]
                                         -> runs/ppo, runs/ppo_vllm, runs/ppo_ray (the same, per backend)
-    python sft.py --pretrain runs/sft_short --dataset toy_world/tool_sft_train.jsonl ... -> runs/sft_tool
+    python sft.py --pretrain runs/sft_start --dataset toy_world/tool_sft_train.jsonl ... -> runs/sft_tool
                                                             the tool task's format: "07+x=" -> "?" (ask) or a guess
     python grpo.py --pretrain runs/sft_tool --agent_func_path toy_agent.py ... -> runs/grpo_tool
                                                             episodes: held-out greedy accuracy before -> after
@@ -33,6 +36,7 @@ Stages run as plain commands (shown as they start), each from the previous stage
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -44,32 +48,48 @@ from rich.table import Table
 import toy
 
 
+SEEDS = Path("bench/results/toy_seeds.json")  # bench/toy_seeds.py's figures: each stage's range over seeds
+SEED = 0  # the start's and the RL stages' seed: toy_seeds.py's first, so on this CPU kind their figures are its own
+
+
 def stages(world):
+    seed = ["--seed", str(SEED)]
+    # the RL stages' start, trained to its plateau on toy.sloppy's answers (every flag spelled out: with --dataset a
+    # script takes its real-run defaults)
+    start = ["sft.py", "--dataset", f"{world}/sft_sloppy_train.jsonl", "--eval_dataset", f"{world}/sft_test.jsonl",
+             "--learning_rate", "1e-3", "--lr_warmup_ratio", "0.1", "--train_batch_size", "64",
+             "--micro_train_batch_size", "64", "--max_len", "32", "--max_epochs", "8", "--eval_generate_samples",
+             "500", "--generate_max_len", "5", *seed, "--save_path", "runs/sft_start"]
     steps = ["--dataset", f"{world}/steps_train.jsonl", "--eval_dataset", f"{world}/steps_test.jsonl",
              "--learning_rate", "1e-3", "--lr_warmup_ratio", "0.1", "--train_batch_size", "64",
              "--micro_train_batch_size", "64", "--max_len", "64", "--max_epochs", "4", "--eval_generate_samples", "500",
              "--generate_max_len", "48"]
-    # InstructGPT's recipe: the preferences come from the policy RL will improve. SFT short samples 8 answers to
+    # InstructGPT's recipe: the preferences come from the policy RL will improve. SFT start samples 8 answers to
     # every prompt, the toy rule judges them (the stand-in for a human labeller), and every two distinct answers it
     # ranks differently are a pair (best against worst alone leaves an RM that PPO exploits: see README). An RM
-    # learns those pairs (rm.py's toy defaults are for the synthetic pairs, so the settings are spelled out); PPO
-    # and online DPO learn from that RM, offline DPO from the pairs themselves.
-    sample = ["make_pairs.py", "--pretrain", "runs/sft_short", "--remote_rm_url", os.path.relpath(toy.__file__),
+    # learns those pairs and the toy's written ones (pref_train; rm.py's toy defaults are for those alone, so the
+    # settings are spelled out): the policy errs only where a carry is due, so its pairs alone all say "ten more is
+    # better", and PPO and online DPO learned to add ten everywhere (README). PPO and online DPO learn from that RM,
+    # offline DPO from the policy's pairs themselves, with the chosen answers' NLL beside its loss (RPO: without it
+    # pushing the rejected answers down also pushed down the end of sequence after the chosen ones: "125" -> "1255").
+    sample = ["make_pairs.py", "--pretrain", "runs/sft_start", "--remote_rm_url", os.path.relpath(toy.__file__),
               "--label_key", "label", "--n_samples_per_prompt", "8", "--pairs", "all", "--prompt_max_len", "16",
               "--generate_max_len", "8"]
     pairs = ["--dataset", "runs/pairs_train.jsonl", "--max_len", "32", "--train_batch_size", "64"]
-    rm_policy = ["rm.py", "--pretrain", "runs/sft", *pairs, "--eval_dataset", "runs/pairs_test.jsonl",
+    rm_policy = ["rm.py", "--pretrain", "runs/sft", "--dataset", f"runs/pairs_train.jsonl,{world}/pref_train.jsonl",
+                 *pairs[2:], "--eval_dataset", "runs/pairs_test.jsonl",
                  "--micro_train_batch_size", "32", "--learning_rate", "3e-4", "--lr_warmup_ratio", "0.1",
                  "--max_epochs", "4", "--save_path", "runs/rm_policy"]
     # its eval pairs are the toy's held-out ones: exact match against their chosen answers covers all 500 test sums
-    dpo = ["dpo.py", "--pretrain", "runs/sft_short", *pairs, "--eval_dataset", f"{world}/pref_test.jsonl",
+    dpo = ["dpo.py", "--pretrain", "runs/sft_start", *pairs, "--eval_dataset", f"{world}/pref_test.jsonl",
            "--micro_train_batch_size", "64", "--learning_rate", "1e-4", "--lr_warmup_ratio", "0.05", "--beta", "0.5",
-           "--eval_generate_samples", "500", "--generate_max_len", "5", "--save_path", "runs/dpo"]
+           "--nll_loss_coef", "1", "--eval_generate_samples", "500", "--generate_max_len", "5", "--eval_steps", "24",
+           *seed, "--save_path", "runs/dpo"]
     # 8 samples a prompt (GRPO's number; 8 optimizer steps a rollout): with a judge it cannot exploit, PPO can push
     # harder than the toy defaults (one sample) do
-    ppo = ["--pretrain", "runs/sft_short", "--reward_pretrain", "runs/rm_policy", "--normalize_reward",
-           "--n_samples_per_prompt", "8"]
-    # a short SFT in the tool format from SFT short (asks 30% of the time, else guesses), then GRPO on episodes
+    ppo = ["--pretrain", "runs/sft_start", "--reward_pretrain", "runs/rm_policy", "--normalize_reward",
+           "--n_samples_per_prompt", "8", *seed]
+    # a short SFT in the tool format from SFT start (asks 30% of the time, else guesses), then GRPO on episodes
     tool_sft = ["--dataset", f"{world}/tool_sft_train.jsonl", "--eval_dataset", f"{world}/tool_sft_test.jsonl",
                 "--learning_rate", "5e-4", "--lr_warmup_ratio", "0.05", "--train_batch_size", "64",
                 "--micro_train_batch_size", "64", "--max_len", "32", "--eval_generate_samples", "1000",
@@ -78,7 +98,7 @@ def stages(world):
             f"{world}/tool_test.jsonl", "--label_key", "label", "--prompt_max_len", "16", "--generate_max_len", "16",
             "--rollout_batch_size", "32", "--n_samples_per_prompt", "8", "--train_batch_size", "256",
             "--micro_train_batch_size", "64", "--micro_rollout_batch_size", "64", "--learning_rate", "5e-5",
-            "--lr_warmup_ratio", "0.05", "--max_samples", "6400", "--eval_steps", "50"]
+            "--lr_warmup_ratio", "0.05", "--max_samples", "6400", "--eval_steps", "50", *seed]
     return [
         ("SFT", ["sft.py", "--save_path", "runs/sft"], "runs/sft", "eval_exact_match", "held-out exact match"),
         ("RM", ["rm.py", "--pretrain", "runs/sft", "--save_path", "runs/rm"], "runs/rm", "eval_acc",
@@ -87,32 +107,32 @@ def stages(world):
          "held-out exact match (solutions)"),
         ("PRM", ["prm.py", "--pretrain", "runs/sft_steps", "--save_path", "runs/prm"], "runs/prm", "eval_step_acc",
          "held-out step accuracy"),
-        # RL needs room to improve: the same SFT stopped after 4 of its 10 epochs
-        ("SFT short", ["sft.py", "--max_epochs", "4", "--save_path", "runs/sft_short"], "runs/sft_short",
-         "eval_exact_match", "held-out exact match"),
+        ("SFT start", start, "runs/sft_start", "eval_exact_match", "held-out exact match"),
         ("Pairs", [*sample, "--dataset", f"{world}/prompts_train.jsonl", "--save_path", "runs/pairs_train.jsonl"],
          "runs/pairs_train.jsonl", None, "pairs from the policy's samples"),
         ("Pairs held out",
          [*sample, "--dataset", f"{world}/prompts_test.jsonl", "--save_path", "runs/pairs_test.jsonl"],
          "runs/pairs_test.jsonl", None, "pairs from the policy's samples"),
         ("RM policy", rm_policy, "runs/rm_policy", "eval_acc", "held-out pair accuracy (policy's pairs)"),
-        ("GRPO", ["grpo.py", "--pretrain", "runs/sft_short", "--save_path", "runs/grpo"], "runs/grpo",
+        ("GRPO", ["grpo.py", "--pretrain", "runs/sft_start", *seed, "--save_path", "runs/grpo"], "runs/grpo",
          "eval_accuracy", "held-out greedy accuracy"),
-        ("GRPO vLLM", ["grpo.py", "--pretrain", "runs/sft_short", "--vllm", "--save_path", "runs/grpo_vllm"],
-         "runs/grpo_vllm", "eval_accuracy", "held-out greedy accuracy"),
-        # on-policy distillation: SFT short samples, the full SFT (the teacher) scores its tokens
-        ("Distill", ["distill.py", "--pretrain", "runs/sft_short", "--teacher_pretrain", "runs/sft", "--lmbda", "1",
-                     "--save_path", "runs/distill"], "runs/distill", "eval_accuracy", "held-out greedy accuracy"),
+        ("GRPO vLLM", ["grpo.py", "--pretrain", "runs/sft_start", "--vllm", *seed, "--save_path",
+                       "runs/grpo_vllm"], "runs/grpo_vllm", "eval_accuracy", "held-out greedy accuracy"),
+        # on-policy distillation: SFT start samples, the full SFT (the teacher) scores its tokens
+        ("Distill", ["distill.py", "--pretrain", "runs/sft_start", "--teacher_pretrain", "runs/sft", "--lmbda", "1",
+                     *seed, "--save_path", "runs/distill"], "runs/distill", "eval_accuracy",
+         "held-out greedy accuracy"),
         ("DPO", dpo, "runs/dpo", "eval_exact_match", "held-out exact match"),
-        ("DPO online", ["online_dpo.py", "--pretrain", "runs/sft_short", "--reward_pretrain", "runs/rm_policy",
-                        "--save_path", "runs/dpo_online"], "runs/dpo_online", "eval_accuracy", "held-out greedy accuracy"),
+        ("DPO online", ["online_dpo.py", "--pretrain", "runs/sft_start", "--reward_pretrain", "runs/rm_policy",
+                        "--eval_steps", "100", *seed, "--save_path", "runs/dpo_online"], "runs/dpo_online", "eval_accuracy",
+         "held-out greedy accuracy"),
         ("PPO", ["ppo.py", *ppo, "--save_path", "runs/ppo"], "runs/ppo", "eval_accuracy", "held-out greedy accuracy"),
         ("PPO vLLM", ["ppo.py", *ppo, "--vllm", "--save_path", "runs/ppo_vllm"], "runs/ppo_vllm", "eval_accuracy",
          "held-out greedy accuracy"),
         ("PPO Ray", ["ppo.py", *ppo, "--ray", "--save_path", "runs/ppo_ray"], "runs/ppo_ray", "eval_accuracy",
          "held-out greedy accuracy"),
         # the tool task (toy_agent.py): "07+x=" hides x, which the environment reveals when asked ("?")
-        ("SFT tool", ["sft.py", "--pretrain", "runs/sft_short", *tool_sft, "--save_path", "runs/sft_tool"],
+        ("SFT tool", ["sft.py", "--pretrain", "runs/sft_start", *tool_sft, "--save_path", "runs/sft_tool"],
          "runs/sft_tool", "eval_exact_match", "held-out exact match (first turn or answer)"),
         ("GRPO tool", ["grpo.py", "--pretrain", "runs/sft_tool", *tool, "--save_path", "runs/grpo_tool"],
          "runs/grpo_tool", "eval_accuracy", "held-out greedy accuracy (episodes)"),
@@ -130,28 +150,113 @@ def shown(results, key):
     return text
 
 
+def run(cmd, log):
+    """Run a stage as a user would see it, keeping what it printed in `log`; a failure stops the demo in one line."""
+    env = dict(os.environ)
+    if sys.stdout.isatty():  # through the pipe, rich would take the stage for a log file and draw no progress bar
+        env.update(TTY_COMPATIBLE="1", TTY_INTERACTIVE="1", COLUMNS=str(os.get_terminal_size().columns))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    with open(log, "wb") as f:
+        while chunk := os.read(proc.stdout.fileno(), 1 << 16):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+            f.write(chunk)
+    if proc.wait():
+        sys.exit(f"{Path(cmd[1]).name} failed (exit code {proc.returncode}); what it printed is in {log}")
+
+
+def curve(log, name):
+    """[(step, value)] of metric `name` in a run's log, from its lines "eval step N: name=value ..." (the eval before
+    training is step 0, the last one the run's final figure)."""
+    points = []
+    for line in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", log).splitlines():  # without the progress bar's escapes
+        if match := re.search(r"eval step (\d+): (.*)", line):
+            figures = dict(kv.split("=", 1) for kv in match[2].split() if "=" in kv)
+            if name in figures:
+                points.append((int(match[1]), float(figures[name])))
+    return points
+
+
+def seed_ranges(path=SEEDS):
+    """{stage: [its figure at each seed]} from what bench/toy_seeds.py wrote ({} if it has not)."""
+    stages = json.loads(path.read_text())["stages"] if path.is_file() else {}
+    return {name: [run["end"] for run in seeds.values()] for name, seeds in stages.items()}
+
+
+def checked(value, ends):
+    """Whether a figure lies within the range of the same stage's figures over seeds, and if not by how much."""
+    lo, hi = min(ends), max(ends)
+    if lo - 1e-9 <= value <= hi + 1e-9:
+        return "yes"
+    return f"[bold red]no: {100 * (value - (lo if value < lo else hi)):+.1f} points[/]"
+
+
+def plot(curves, ranges, path):
+    """The picture (runs/demo.png): every RL stage's held-out figure against its training steps, one panel per start
+    (its figure a dashed line), and each stage's range over seeds a bar at its last step. -> the matplotlib figure."""
+    import matplotlib
+    matplotlib.use("Agg")  # a file, no window
+    import matplotlib.pyplot as plt
+
+    starts = list(dict.fromkeys(start for start, _ in curves.values()))
+    fig, axes = plt.subplots(1, len(starts), figsize=(6.5 * len(starts), 4.8), squeeze=False)
+    for ax, start in zip(axes[0], starts):
+        ax.set(title=f"RL from {start}", xlabel="training step", ylabel="held-out accuracy (%)")
+        for name, (origin, points) in curves.items():
+            if origin != start:
+                continue
+            steps, values = zip(*points)
+            line, = ax.plot(steps, [100 * v for v in values], marker="o", markersize=3, label=name)
+            if name in ranges:
+                ends = [100 * v for v in ranges[name]]
+                ax.errorbar([steps[-1]], [(min(ends) + max(ends)) / 2], yerr=[(max(ends) - min(ends)) / 2],
+                            color=line.get_color(), capsize=4, linewidth=2.5, alpha=0.5)
+        first = next(points[0][1] for origin, points in curves.values() if origin == start)
+        ax.axhline(100 * first, color="gray", linestyle="--", linewidth=1, label=f"start {first:.1%}")
+        ax.legend(fontsize=8, loc="lower right")
+        ax.grid(alpha=0.3)
+    fig.suptitle("Toy world: each RL stage from the same start; bars: the range of its end over seeds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return fig
+
+
 def main():
     console = Console(width=max(Console().width, 150))  # the table stays readable in logs
     root = Path(__file__).resolve().parent
     t = time.time()
     world = toy.ensure_toy_world()
-    rows = [("toy world", "", "", f"{time.time() - t:.1f}", "", os.path.relpath(world))]
+    ranges, logs = seed_ranges(), Path("runs/logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    rows = [("toy world", "", "", "", "", f"{time.time() - t:.1f}", "", os.path.relpath(world))]
+    curves, figures = {}, {}
     for name, cmd, out, key, what in stages(os.path.relpath(world)):
         console.rule(f"[bold]{name}: python {' '.join(cmd)}")
-        t = time.time()
-        subprocess.run([sys.executable, str(root / cmd[0]), *cmd[1:]], check=True)
-        wall = time.time() - t
+        t, log = time.time(), logs / f"{Path(out).stem}.log"
+        run([sys.executable, str(root / cmd[0]), *cmd[1:]], log)
+        wall = round(time.time() - t, 1)
         if key is None:  # a file of pairs: how many
-            rows.append((name, what, f"{len(Path(out).read_text().splitlines()):,}", f"{wall:.1f}", "", out))
+            rows.append((name, what, f"{len(Path(out).read_text().splitlines()):,}", "", "", str(wall), "", out))
             continue
         results = json.loads((Path(out) / "eval_results.json").read_text())
-        rows.append((name, what, shown(results, key), f"{wall:.1f}", f"{results['peak_rss_mb']:.0f}", out))
+        figures[name] = {"command": cmd, "start": results.get(f"{key}_before"), "end": results[key], "seconds": wall}
+        Path("runs/demo.json").write_text(json.dumps(figures, indent=1) + "\n")  # (bench/toy_seeds.py --demo_seed)
+        if f"{key}_before" in results:  # an RL stage: its curve, from its start
+            curves[name] = (cmd[cmd.index("--pretrain") + 1], curve(log.read_text(errors="replace"), key[5:]))
+        ends = ranges.get(name)
+        span = f"{min(ends):.1%} to {max(ends):.1%} ({len(ends)} seeds)" if ends else ""
+        rows.append((name, what, shown(results, key), span, checked(results[key], ends) if ends else "",
+                     str(wall), f"{results['peak_rss_mb']:.0f}", out))
     table = Table(title="Toy world: two-digit addition and running sums, 2 CPU cores")
-    for col in ("stage", "metric", "value", "wall time (s)", "peak RSS (MB)", "output"):
+    for col in ("stage", "metric", "value", f"over seeds ({SEEDS})", "inside?", "wall time (s)", "peak RSS (MB)",
+                "output"):
         table.add_column(col)
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    plot(curves, ranges, "runs/demo.png")
+    console.print("the held-out figure of every RL stage against its steps: runs/demo.png; each stage's output: "
+                  f"{logs}/")
 
 
 if __name__ == "__main__":

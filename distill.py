@@ -4,7 +4,7 @@ Language Models: Learning from Self-Generated Mistakes"; and the per-token rever
 
     python distill.py --teacher_pretrain runs/sft                 # toy world: the student is --pretrain (default
                                                                   # the random toy model), prompts its SFT data
-    python distill.py --pretrain runs/sft_short --teacher_pretrain runs/sft --lmbda 1
+    python distill.py --pretrain runs/sft_start --teacher_pretrain runs/sft --lmbda 1
     deepspeed --num_gpus 8 distill.py --pretrain Qwen/Qwen2.5-0.5B-Instruct \\
         --teacher_pretrain Qwen/Qwen2.5-7B-Instruct --dataset prompts.jsonl --input_key prompt \\
         --apply_chat_template --vllm --zero_stage 3 --bf16 --lmbda 1

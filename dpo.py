@@ -2,7 +2,7 @@
 from the rejected one, measured against a frozen reference; no reward model, no sampling. Online DPO (pairs of the
 policy's own samples, ranked by a reward) is online_dpo.py, with its own copy of this file's loss.
 
-    python dpo.py --pretrain runs/sft_short                                       # toy world: the toy pairs
+    python dpo.py --pretrain runs/sft_start                                       # toy world: the toy pairs
     deepspeed --num_gpus 8 dpo.py --pretrain ckpt/sft --dataset prefs.jsonl --input_key prompt \\
         --chosen_key chosen --rejected_key rejected --apply_chat_template --zero_stage 3 --bf16 \\
         --beta 0.1 --learning_rate 5e-7 --packing_samples
@@ -483,7 +483,7 @@ def load_reference(actor, args, tokenizer, cfg):
 
 
 # The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
-# (common.parse_args; "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_short (README).
+# (common.parse_args; "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_start (README).
 DEFAULTS = {
     "save_path":                  ("runs/dpo",   "runs/dpo"),
     "dataset":                    (None,         "{toy}/pref_train.jsonl"),

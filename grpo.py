@@ -1,8 +1,8 @@
 """GRPO and its critic-free relatives (Dr. GRPO, RLOO, REINFORCE++, REINFORCE++-baseline): sample a group of
 completions per prompt, score them, and move the policy toward the better ones with a clipped surrogate.
 
-    python grpo.py --pretrain runs/sft_short            # toy world: addition, rule reward (toy.reward_func)
-    python grpo.py --pretrain runs/sft_short --vllm     # the same, rollouts from an in-process vLLM engine
+    python grpo.py --pretrain runs/sft_start            # toy world: addition, rule reward (toy.reward_func)
+    python grpo.py --pretrain runs/sft_start --vllm     # the same, rollouts from an in-process vLLM engine
     deepspeed --num_gpus 8 grpo.py --pretrain Qwen/Qwen2.5-Math-1.5B --dataset math.jsonl \\
         --input_key problem --label_key answer --apply_chat_template --remote_rm_url my_reward.py \\
         --n_samples_per_prompt 8 --rollout_batch_size 128 --train_batch_size 256 --generate_max_len 1024 \\
@@ -817,7 +817,7 @@ def setup_deepspeed(model, args, config, num_training_steps):
 
 # ------------------------------------------------------------------------------------------------- flags
 # The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply without --dataset (common.parse_args;
-# "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_short: ~+23 points in 200 steps, ~80 s.
+# "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_start: ~+23 points in 200 steps, ~80 s.
 DEFAULTS = {
     "save_path":                  ("runs/grpo",  "runs/grpo"),
     "dataset":                    (None,         "{toy}/prompts_train.jsonl"),

@@ -4,7 +4,7 @@ completion of each prompt as a pair (or, with --pairs all, every two that score 
 K-choose-2). The judge stands in for a human labeller: a reward_func file or a /get_reward URL (--remote_rm_url; a
 file is your own code, run in this process), or a reward model (--reward_pretrain).
 
-    python make_pairs.py --pretrain runs/sft_short --dataset toy_world/prompts_train.jsonl --label_key label \\
+    python make_pairs.py --pretrain runs/sft_start --dataset toy_world/prompts_train.jsonl --label_key label \\
         --remote_rm_url toy.py --save_path runs/pairs_train.jsonl      # the toy rule judges the policy's answers
     python make_pairs.py --pretrain ckpt/sft --dataset prompts.jsonl --input_key prompt --apply_chat_template \\
         --reward_pretrain ckpt/rm --n_samples_per_prompt 8 --vllm --save_path data/pairs.jsonl

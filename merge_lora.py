@@ -1,7 +1,7 @@
 """Merge a LoRA adapter (what the scripts save with --lora_rank) into its base model: a full Hugging Face
 directory that stock from_pretrained classes load, for serving, vLLM or the next stage.
 
-    python merge_lora.py --model_path runs/sft_short --lora_path runs/sft_lora --output_path runs/sft_merged
+    python merge_lora.py --model_path runs/sft_start --lora_path runs/sft_lora --output_path runs/sft_merged
     python merge_lora.py --model_path runs/sft --lora_path runs/rm_lora --output_path runs/rm_merged --is_rm
 
 --model_path must be the model the adapter was trained from. A reward model (--is_rm) keeps its trained

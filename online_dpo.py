@@ -2,7 +2,7 @@
 model or function, and takes a DPO step on (higher, lower) against a frozen reference (open-instruct's online DPO,
 TRL's OnlineDPOTrainer). The DPO loss is a copy of dpo.py's, the rollout of grpo.py's (tests compare them).
 
-    python online_dpo.py --pretrain runs/sft_short --reward_pretrain runs/rm      # toy world, judged by an RM
+    python online_dpo.py --pretrain runs/sft_start --reward_pretrain runs/rm      # toy world, judged by an RM
     deepspeed --num_gpus 8 online_dpo.py --pretrain ckpt/sft --dataset prompts.jsonl --input_key prompt \\
         --apply_chat_template --reward_pretrain ckpt/rm --vllm --zero_stage 3 --bf16 --learning_rate 5e-7
 
@@ -672,7 +672,7 @@ def load_reference(actor, args, tokenizer, cfg):
 
 
 # The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
-# (common.parse_args; "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_short (README).
+# (common.parse_args; "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_start (README).
 DEFAULTS = {
     "save_path":                  ("runs/online_dpo", "runs/online_dpo"),
     "dataset":                    (None,              "{toy}/prompts_train.jsonl"),

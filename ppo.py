@@ -2,8 +2,8 @@
 starting policy token by token, estimate advantages with GAE from a learned value function, and update
 actor and critic with clipped losses.
 
-    python ppo.py --pretrain runs/sft_short --reward_pretrain runs/rm        # toy world
-    python ppo.py --pretrain runs/sft_short --reward_pretrain runs/rm --vllm # rollouts from in-process vLLM
+    python ppo.py --pretrain runs/sft_start --reward_pretrain runs/rm        # toy world
+    python ppo.py --pretrain runs/sft_start --reward_pretrain runs/rm --vllm # rollouts from in-process vLLM
     deepspeed --num_gpus 8 ppo.py --pretrain ckpt/sft --reward_pretrain ckpt/rm --dataset prompts.jsonl \\
         --input_key prompt --apply_chat_template --zero_stage 3 --bf16 --vllm --normalize_reward \\
         --actor_learning_rate 5e-7 --critic_learning_rate 9e-6 --init_kl_coef 0.01 --generate_max_len 1024
@@ -724,7 +724,7 @@ def setup_deepspeed(model, args, config, num_training_steps, learning_rate=None,
 
 # ------------------------------------------------------------------------------------------------- flags
 # The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply without --dataset (common.parse_args;
-# "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_short and runs/rm with --normalize_reward (README).
+# "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_start and runs/rm with --normalize_reward (README).
 DEFAULTS = {
     "save_path":                  ("runs/ppo",   "runs/ppo"),
     "dataset":                    (None,         "{toy}/prompts_train.jsonl"),

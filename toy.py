@@ -14,6 +14,8 @@ Layout of toy_world/:
     model/                      tokenizer + LlamaForCausalLM, random init (save_pretrained)
     model_half/                 the same with half the layers (2): a smaller student for distill.py
     sft_{train,test}.jsonl      {"input": "07+45=", "output": "52"}
+    sft_sloppy_train.jsonl      the same sums as a careless labeller writes them: one with a carry four times, three
+                                times with the carry forgotten ("42") and once right (the RL stages' start: `sloppy`)
     pref_{train,test}.jsonl     {"input": "07+45=", "chosen": "52", "rejected": "53"}
     steps_{train,test}.jsonl    {"input": "07+45+08\n", "output": "07+45=52\n52+08=60"}  (running sums, step by step)
     steps_prompts_{train,test}.jsonl {"input": "07+45+08\n", "label": "60"}  (their RL prompts: the final total)
@@ -38,7 +40,7 @@ import tempfile
 from pathlib import Path
 
 TOY_DIR = Path(__file__).resolve().parent / "toy_world"  # (unless $TOY_WORLD_DIR says, read when a world is wanted)
-VERSION = "8"  # bump when the generator changes, so stale worlds get rebuilt (8: plain_chat.jinja)
+VERSION = "9"  # bump when the generator changes, so stale worlds get rebuilt (9: sft_sloppy_train.jsonl)
 PLACEHOLDER = "ки"  # step marker for PRM data (Math-Shepherd's), one token in the toy tokenizer
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # the tokenizer's special tokens, in vocabulary order
 N_TEST = 500  # held-out prompts; the other 9,500 of the 10,000 "ab+cd=" prompts are for training
@@ -156,6 +158,8 @@ def build_datasets(rng):
     for split, ps in splits.items():
         prompts = [(f"{a:02d}+{b:02d}=", str(a + b), a, b) for a, b in ps]
         data[f"sft_{split}"] = [{"input": p, "output": s} for p, s, _, _ in prompts]
+        if split == "train":
+            data["sft_sloppy_train"] = [r for p, _, a, b in prompts for r in sloppy(p, a, b)]
         data[f"pref_{split}"] = [
             {"input": p, "chosen": s, "rejected": wrong_sum(a, b, rng)} for p, s, a, b in prompts
         ]
@@ -172,6 +176,17 @@ def build_datasets(rng):
         data[f"tool_{split}"] = [{"input": f"{a:02d}+x=", "label": f"{b:02d}"} for a, b in ps]
         data[f"tool_sft_{split}"] = [r for a, b in ps for r in tool_sft_examples(a, b, tool)]
     return data
+
+
+def sloppy(prompt, a, b):
+    """A careless labeller's answers to one sum, for the RL stages' start (demo.py's SFT start): a sum with a carry
+    ("07+45=") four times, three with the carry forgotten ("42") and once right; any other once, right. SFT to its
+    plateau imitates the labeller: greedy forgets every carry, so held-out exact match is the share of sums without
+    one (57.6% of the 500), whatever the seed or rounding, while sampling writes the right sum a quarter of the time:
+    what RL, rewarded by the true rule, has to find and make the policy's first choice."""
+    if a % 10 + b % 10 < 10:
+        return [{"input": prompt, "output": str(a + b)}]
+    return [{"input": prompt, "output": str(out)} for out in (a + b - 10, a + b, a + b - 10, a + b - 10)]
 
 
 def tool_sft_examples(a, b, rng, ask=0.3):

@@ -483,7 +483,7 @@ def load_reference(actor, args, tokenizer, cfg):
 
 
 # The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
-# (common.parse_args; "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_start (README).
+# (common.parse_args; "{toy}" is its directory), calibrated on 2 CPU cores from the demo's start (README).
 DEFAULTS = {
     "save_path":                  ("runs/dpo",   "runs/dpo"),
     "dataset":                    (None,         "{toy}/pref_train.jsonl"),

@@ -672,7 +672,7 @@ def load_reference(actor, args, tokenizer, cfg):
 
 
 # The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply when no --dataset is given
-# (common.parse_args; "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_start (README).
+# (common.parse_args; "{toy}" is its directory), calibrated on 2 CPU cores from the demo's start (README).
 DEFAULTS = {
     "save_path":                  ("runs/online_dpo", "runs/online_dpo"),
     "dataset":                    (None,              "{toy}/prompts_train.jsonl"),

@@ -724,7 +724,7 @@ def setup_deepspeed(model, args, config, num_training_steps, learning_rate=None,
 
 # ------------------------------------------------------------------------------------------------- flags
 # The defaults, {flag: (a real run's, the toy world's)}: the toy world's apply without --dataset (common.parse_args;
-# "{toy}" is its directory), calibrated on 2 CPU cores from runs/sft_start and runs/rm with --normalize_reward (README).
+# "{toy}" is its directory), calibrated on 2 CPU cores from the demo's start and runs/rm, --normalize_reward (README).
 DEFAULTS = {
     "save_path":                  ("runs/ppo",   "runs/ppo"),
     "dataset":                    (None,         "{toy}/prompts_train.jsonl"),

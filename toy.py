@@ -181,8 +181,8 @@ def build_datasets(rng):
 def sloppy(prompt, a, b):
     """A careless labeller's answers to one sum, for the RL stages' start (demo.py's SFT start): a sum with a carry
     ("07+45=") four times, three with the carry forgotten ("42") and once right; any other once, right. SFT to its
-    plateau imitates the labeller: greedy forgets every carry, so held-out exact match is the share of sums without
-    one (57.6% of the 500), whatever the seed or rounding, while sampling writes the right sum a quarter of the time:
+    plateau imitates the labeller: greedy forgets every carry, so held-out exact match is about the share of sums
+    without one (57.6% of the 500) at any seed or rounding, while sampling writes the right sum a quarter of the time:
     what RL, rewarded by the true rule, has to find and make the policy's first choice."""
     if a % 10 + b % 10 < 10:
         return [{"input": prompt, "output": str(a + b)}]

@@ -5,7 +5,7 @@ sequence-level KD from the same start.
                                                                           # writes bench/results/distill.json
 
 The teacher is the demo's runs/sft (4 layers, 10 epochs of SFT). Two students, each from a short SFT of its own:
-    same   the demo's runs/sft_start (4 layers; before issue 65 its runs/sft_short: 4 epochs of the plain SFT)
+    same   the demo's runs/sft_start (4 layers; the figures below are from before issue 65: runs/sft_short, 4 epochs)
     half   toy_world/model_half (2 layers: half the teacher's) after 2 epochs of SFT (bench/.cache/distill)
 The arms, one run per student, arm and seed, held-out greedy exact match every --eval_steps:
     distill   distill.py --lmbda 1: the student samples, the teacher's distributions on its tokens (gkd, --beta)
@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import demo  # noqa: E402
 import toy  # noqa: E402
 
 WORK = ROOT / "bench" / ".cache" / "distill"
@@ -38,7 +39,8 @@ def run(*cmd):
 def students():
     """{name: path} of the two start points (and the teacher), made here when missing, as the demo makes them."""
     paths = {"teacher": ROOT / "runs" / "sft", "same": ROOT / "runs" / "sft_start", "half": WORK / "sft_half"}
-    cmds = {"teacher": [], "same": ["--max_epochs", 4],
+    start = next(cmd for name, cmd, *_ in demo.stages(toy.ensure_toy_world()) if name == "SFT start")
+    cmds = {"teacher": [], "same": start[1:start.index("--save_path")],
             "half": ["--pretrain", toy.ensure_toy_world() / "model_half", "--max_epochs", 2]}
     for name, path in paths.items():
         if not (path / "config.json").exists():

@@ -1,6 +1,6 @@
 """The toy RLHF stages over seeds: what each lifts held-out accuracy by, as a mean and a range, not one run.
 
-    .venv/bin/python bench/toy_seeds.py                          # every stage: the start over seeds 0-4, the rest 0-2
+    .venv/bin/python bench/toy_seeds.py                          # the start over seeds 0-4, the RL stages 0-2
     .venv/bin/python bench/toy_seeds.py --stages grpo ppo --seeds 0 1 2
     .venv/bin/python bench/toy_seeds.py --table                  # the table of what bench/results/toy_seeds.json holds
 
@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,9 +35,9 @@ import demo  # noqa: E402
 import toy  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "toy_seeds.json"
-STAGES = {"sft_start": "SFT start", "grpo": "GRPO", "grpo_vllm": "GRPO vLLM", "ppo": "PPO", "ppo_vllm": "PPO vLLM",
-          "ppo_ray": "PPO Ray", "dpo": "DPO", "dpo_online": "DPO online", "distill": "Distill", "prm": "PRM",
-          "grpo_tool": "GRPO tool", "grpo_tool_chat": "GRPO tool chat"}  # --stages name -> demo.py's stage
+STAGES = {"prm": "PRM", "sft_start": "SFT start", "grpo": "GRPO", "grpo_vllm": "GRPO vLLM", "distill": "Distill",
+          "dpo": "DPO", "dpo_online": "DPO online", "ppo": "PPO", "ppo_vllm": "PPO vLLM", "ppo_ray": "PPO Ray",
+          "grpo_tool": "GRPO tool", "grpo_tool_chat": "GRPO tool chat"}  # --stages name -> demo.py's stage, its order
 # demo.py's runs each stage starts from or learns from, in demo.py's order (RM policy learns from SFT and the pairs)
 RM_POLICY = ["SFT", "SFT start", "Pairs", "Pairs held out", "RM policy"]
 INPUTS = {"sft_start": [], "grpo": ["SFT start"], "grpo_vllm": ["SFT start"], "ppo": RM_POLICY, "ppo_vllm": RM_POLICY,
@@ -51,12 +50,23 @@ def run(cmd):
     t = time.time()
     proc = subprocess.run([sys.executable, *map(str, cmd)], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
-        sys.exit(f"{cmd[0]} failed:\n{proc.stderr[-3000:]}")
+        sys.exit(f"{next(c for c in cmd if str(c).endswith('.py'))} failed:\n{proc.stderr[-3000:]}")
     return time.time() - t, proc.stdout + proc.stderr
 
 
 def spread(values, sign=""):
     return f"{100 * statistics.mean(values):{sign}.1f} ({100 * min(values):{sign}.1f} to {100 * max(values):{sign}.1f})"
+
+
+def save(stage, seed, figures):
+    """Keep one run's figures in the results file: read again and replaced whole (os.replace), so a sweep beside this
+    one keeps its runs and an interrupted write leaves the file as it was."""
+    saved = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"stages": {}}
+    saved["stages"].setdefault(stage, {})[str(seed)] = figures
+    tmp = RESULTS.with_suffix(".tmp")
+    tmp.write_text(json.dumps(saved, indent=1) + "\n")
+    os.replace(tmp, RESULTS)
+    return saved
 
 
 def table(stages):
@@ -78,8 +88,9 @@ def main():
     p.add_argument("--seeds", type=int, nargs="+", help="default: 0-4 for sft_start, 0-2 for the others")
     p.add_argument("--stages", nargs="+", default=[s for s in STAGES if s != "grpo_tool_chat"], choices=list(STAGES))
     p.add_argument("--table", action="store_true", help="print the table of the results file and stop")
-    p.add_argument("--logprob_chunk", type=int, help="run with common.LOGPROB_CHUNK = N: the same math rounded "
-                   "another way (the losses sum N tokens at a time); its figures are printed, not saved")
+    p.add_argument("--logprob_chunk", type=int, help="run with common.LOGPROB_CHUNK = N (the script's own process: "
+                   "not vLLM's or Ray's): the same math rounded another way, the losses summed N tokens at a time (a "
+                   "toy micro-batch has a few hundred: take 16); its figures are printed, not saved")
     p.add_argument("--demo_seed", action="store_true",
                    help=f"take demo.py's last run (runs/demo.json) as seed {demo.SEED} of its stages, not run again")
     args = p.parse_args()
@@ -98,32 +109,31 @@ def main():
         if not Path(out, "config.json").exists() and not Path(out).is_file():
             print(f"making {out} as demo.py does: python {' '.join(cmd)}", flush=True)
             run(cmd)
-    where = {"date": datetime.date.today().isoformat(), "cpu": platform.processor() or platform.machine(),
-             "cores": os.cpu_count()}
-    if args.demo_seed:  # the same commands as a run here would be, where demo.py gives them its seed
+    where = {"date": datetime.date.today().isoformat(), "cpu": demo.cpu(), "cores": os.cpu_count()}
+    taken = set()  # the stages whose seed-0 run is the demo's
+    if args.demo_seed and not args.logprob_chunk:  # the same commands as a run here would be, where demo.py seeds them
         for name, done in json.loads(Path("runs/demo.json").read_text()).items():
             cmd = stages[name][0] if name in STAGES.values() else []
             if cmd == done["command"] and "--seed" in cmd and cmd[cmd.index("--seed") + 1] == str(demo.SEED):
-                saved["stages"].setdefault(name, {})[str(demo.SEED)] = {
-                    "start": done["start"], "end": done["end"], "seconds": done["seconds"], **where}
-        RESULTS.write_text(json.dumps(saved, indent=1) + "\n")
+                saved = save(name, demo.SEED, {"start": done["start"], "end": done["end"],
+                                               "seconds": done["seconds"], **where})
+                taken.add(name)
     for name in args.stages:
         for seed in args.seeds or ([0, 1, 2, 3, 4] if name == "sft_start" else [0, 1, 2]):
-            if args.demo_seed and seed == demo.SEED and str(seed) in saved["stages"].get(STAGES[name], {}):
+            if seed == demo.SEED and STAGES[name] in taken:
                 continue
             cmd, _, key = stages[STAGES[name]]
             out = Path("runs", "seeds", f"chunk{args.logprob_chunk}" if args.logprob_chunk else "", str(seed), name)
             cmd = [c for i, c in enumerate(cmd) if c not in ("--save_path", "--seed") and
-                   cmd[i - 1] not in ("--save_path", "--seed")]
+                   not (i > 0 and cmd[i - 1] in ("--save_path", "--seed"))]
             if args.logprob_chunk:  # the script run as its own __main__, in this interpreter's common, chunk changed
                 cmd = ["-c", f"import common, runpy, sys; common.LOGPROB_CHUNK = {args.logprob_chunk}; "
                        "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')", *cmd]
             wall, log = run([*cmd, "--save_path", out, "--seed", seed])
             res = json.loads((out / "eval_results.json").read_text())
-            if not args.logprob_chunk:
-                saved["stages"].setdefault(STAGES[name], {})[str(seed)] = {
-                    "start": res.get(f"{key}_before"), "end": res[key], "seconds": round(wall, 1), **where}
-                RESULTS.write_text(json.dumps(saved, indent=1) + "\n")  # after every run: a long sweep keeps its runs
+            if not args.logprob_chunk:  # after every run: a long sweep keeps what it did
+                saved = save(STAGES[name], seed, {"start": res.get(f"{key}_before"), "end": res[key],
+                                                  "seconds": round(wall, 1), **where})
             start = f"{100 * res[f'{key}_before']:.1f}% -> " if f"{key}_before" in res else ""
             print(f"seed {seed} {name}: {start}{100 * res[key]:.1f}% in {wall:.0f} s", flush=True)
             if "eval_asked" in res:  # the tool task: how often the policy asks, greedy (eval) and sampled (train)

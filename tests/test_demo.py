@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, results, run_main
 
 import demo
 import toy
@@ -43,6 +43,18 @@ def test_curve_reads_the_logged_evals():
     assert demo.curve(LOG, "exact_match") == []
 
 
+def test_curve_of_a_real_run_ends_at_its_figures(policy, eval_file, tmp_path):
+    """What demo.py reads from a stage's log: a real grpo.py run's evals, the first and last its eval_results.json's
+    figures before and after training (logged to 4 significant digits)."""
+    proc = run_main("grpo.py", "--pretrain", policy, "--eval_dataset", eval_file, "--max_samples", 64,
+                    "--rollout_batch_size", 16, "--n_samples_per_prompt", 4, "--train_batch_size", 32,
+                    "--micro_train_batch_size", 16, "--eval_steps", 2, "--save_path", tmp_path / "grpo")
+    points, res = demo.curve(proc.stdout + proc.stderr, "accuracy"), results(tmp_path / "grpo")
+    assert [step for step, _ in points] == [0, 2, 4]
+    assert points[0][1] == pytest.approx(res["eval_accuracy_before"], rel=5e-4)
+    assert points[-1][1] == pytest.approx(res["eval_accuracy"], rel=5e-4)
+
+
 def test_plot_draws_the_logged_values(tmp_path):
     curves = {"GRPO": ("runs/sft_start", demo.curve(LOG, "accuracy")),
               "DPO": ("runs/sft_start", [(0, 0.576), (80, 0.8)]),
@@ -64,8 +76,8 @@ def test_plot_draws_the_logged_values(tmp_path):
 
 def test_checked_marks_a_figure_outside_its_seeds():
     assert demo.checked(0.9, [0.88, 0.91]) == "yes" and demo.checked(0.88, [0.88, 0.91]) == "yes"
-    assert "no: -1.0 points" in demo.checked(0.87, [0.88, 0.91])
-    assert "no: +2.0 points" in demo.checked(0.93, [0.88, 0.91])
+    assert "outside by -1.0 points" in demo.checked(0.87, [0.88, 0.91])
+    assert "outside by +2.0 points" in demo.checked(0.93, [0.88, 0.91])
 
 
 def fig(value):

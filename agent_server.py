@@ -3,7 +3,8 @@
     async def rollout(client, record) -> float, or {"reward": float, other numbers: logged as means}
 
 given an `openai.AsyncOpenAI` client whose base URL is an endpoint this process serves on 127.0.0.1 for that episode
-(POST /v1/chat/completions, GET /v1/models; the model is named "policy") and the dataset record {"prompt", "label"}.
+(POST /v1/chat/completions, GET /v1/models; the model is named "policy") and the dataset record as it is in the file,
+every field, with "prompt" (its --input_key value) and "label" (its --label_key value, or None) added.
 It may call the model any number of times, with any messages, and run its own environment between calls.
 toy_chat_agent.py is a template. The file is your code, run in the training process with its permissions.
 
@@ -15,15 +16,14 @@ re-renders an earlier assistant turn differently: Qwen3's thinking, a trimmed re
 sampled that is not the canonical one); an episode's samples share its reward (grpo.py: its advantage).
 
 Rounds: the calls waiting for the model go to the engine together once every live episode has one waiting (or the
-oldest has waited ROUND_WAIT s), at the run's --temperature and --top_p (a request's own are ignored, with one
-warning; `python agent_server.py CHECKPOINT` honours them). A request asks n <= 128 choices (OpenAI's bound); alone
-over a checkpoint, a prompt or prompt + max_tokens past the model's positions is refused (400), as OpenAI refuses one
-past a model's context. Each sample gets --generate_max_len tokens after its first prompt (a larger max_tokens is
-clipped to them); a call with none left is answered empty with finish_reason "length", and one more is refused (409).
---max_turns bounds the calls per episode (the one past it is refused; an episode whose rollout raises on a refusal
-ends truncated with reward 0), --agent_timeout the seconds an episode spends outside model calls. A rollout that
-raises, returns no finite reward or never calls the model stops the run in one line (its traceback in
-<save_path>_agent_error.log).
+oldest has waited ROUND_WAIT s), at the run's --temperature and --top_p (a request's own are ignored, with one warning;
+`python agent_server.py CHECKPOINT` honours them). A request asks n <= 128 choices (OpenAI's bound); alone over a
+checkpoint, a prompt or prompt + max_tokens past the model's positions is refused (400), as OpenAI refuses one past a
+model's context. Each sample gets --generate_max_len tokens after its first prompt (a larger max_tokens is clipped to
+them); a call with none left is answered empty with finish_reason "length", and one more is refused (409). --max_turns
+bounds the calls per episode (the one past it is refused; an episode whose rollout raises on a refusal ends truncated
+with reward 0), --agent_timeout an episode's seconds outside model calls. A rollout that raises, returns no finite
+reward or never calls the model stops the run in one line (its traceback in <save_path>_agent_error.log).
 
     python agent_server.py CHECKPOINT [--port 8000] [--bf16]  # the endpoint alone over a saved model (GPU if any)
     python agent_server.py CHECKPOINT --agent FILE --dataset F [--max_samples 4]   # ...and run FILE's rollout on F
@@ -31,6 +31,7 @@ raises, returns no finite reward or never calls the model stops the run in one l
 
 import argparse
 import asyncio
+import copy
 import functools
 import inspect
 import itertools
@@ -60,8 +61,7 @@ MAX_N = 128  # choices a request may ask at most: OpenAI's bound on chat complet
 def load_rollout(path):
     """FILE's `async def rollout(client, record)`, or one line saying what is missing."""
     import agents
-    module = agents.user_module(path, f"--agent_server {path}: not an existing .py file")
-    fn = getattr(module, "rollout", None)
+    fn = getattr(agents.user_module(path, f"--agent_server {path}: not an existing .py file"), "rollout", None)
     if not inspect.iscoroutinefunction(fn):
         fail(f"{path} defines no `async def rollout(client, record)`: the agent that --agent_server runs, given an "
              "openai.AsyncOpenAI client and the dataset record, returning its reward")
@@ -116,11 +116,10 @@ def request_fields(body, tokenizer, context=None):
         reason = (str(e).splitlines() or [type(e).__name__])[0]
         raise Refused(400, f"the chat template cannot render these messages: {reason}") from None
     stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop
     given = lambda key, default=None: default if body.get(key) is None else body[key]  # noqa: E731  (null: absent)
     fields = {"n": given("n", 1), "max_tokens": given("max_completion_tokens", body.get("max_tokens")),
-              "temperature": body.get("temperature"), "top_p": body.get("top_p"), "stop": stop or [],
-              "logprobs": given("logprobs", False)}
+              "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+              "stop": [stop] if isinstance(stop, str) else stop or [], "logprobs": given("logprobs", False)}
     checks = {"n": lambda v: type(v) is int and v >= 1, "max_tokens": lambda v: v is None or type(v) is int and v >= 1,
               "temperature": lambda v: v is None or isinstance(v, (int, float)) and v >= 0,
               "top_p": lambda v: v is None or isinstance(v, (int, float)) and 0 < v <= 1,
@@ -155,8 +154,7 @@ def positions(model, tokenizer):
 
 @dataclass
 class Trajectory:
-    """One sample: a first prompt, then completions (action mask 1, the engine's log-probs) and the tokens between
-    them (0)."""
+    """One sample: a first prompt, then its completions (action mask 1, engine log-probs) and the tokens between (0)."""
     prompt: list
     tokens: list = field(default_factory=list)
     mask: list = field(default_factory=list)
@@ -220,8 +218,7 @@ class Endpoint:
     def __init__(self, tokenizer, max_len, max_turns=None, host="127.0.0.1", port=0, episodes=None,
                  prompt_max_len=None, context=None):
         self.tokenizer, self.max_len, self.max_turns, self.episodes = tokenizer, max_len, max_turns, episodes
-        self.prompt_max_len, self.context = prompt_max_len, context
-        self.pending, self.cond = [], threading.Condition()
+        self.prompt_max_len, self.context, self.pending, self.cond = prompt_max_len, context, [], threading.Condition()
         ipv6 = ":" in host
         sock = socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -326,11 +323,10 @@ class Endpoint:
                                    "bytes": list(self.tokenizer.decode([t]).encode())} for t, x in zip(ids, logprobs)]}
             out.append({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
                         "logprobs": lp})
-        completion = sum(len(ids) for ids, _, _ in choices)
+        tokens = sum(len(ids) for ids, _, _ in choices)
         return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
-                "model": SERVED, "choices": out,
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion,
-                          "total_tokens": len(prompt) + completion}}
+                "model": SERVED, "choices": out, "usage": {"prompt_tokens": len(prompt), "completion_tokens": tokens,
+                                                           "total_tokens": len(prompt) + tokens}}
 
     def next_round(self, live, timeout):
         """Block until a round is due -> the calls waiting (none once no episode of `live` is running). An episode
@@ -381,10 +377,9 @@ def finished(ids, eos, tokenizer, stop):
 
 
 class ChatAgentEngine:
-    """--agent_server on `engine` (HF generate, vLLM, Ray): sample(records, temperature) runs one rollout() per
-    record and answers their calls in rounds; it returns what every engine returns, one entry per sample, plus
-    action_mask, stopped, the agent's rewards and `episode`, each sample's episode (index into records). `in_step`:
-    every rank makes the same sample() calls (a tensor-parallel vLLM engine)."""
+    """--agent_server on `engine` (HF generate, vLLM, Ray): sample(records, temperature) runs one rollout() per record
+    and answers their calls in rounds -> what every engine returns, per sample, plus action_mask, stopped, agent_rewards
+    and `episode` (index into records). `in_step`: all ranks make the same sample() calls (tensor-parallel vLLM)."""
 
     def __init__(self, engine, args, tokenizer, in_step=False):
         self.engine, self.args, self.tokenizer, self.in_step = engine, args, tokenizer, in_step
@@ -403,8 +398,8 @@ class ChatAgentEngine:
             return self.sample_episodes(records, temperature)
 
     def sample_episodes(self, records, temperature):
-        episodes = [Episode(secrets.token_hex(8), {"prompt": r.get("input", r["text"]), "label": r["label"]})
-                    for r in records]
+        episodes = [Episode(secrets.token_hex(8), {**r.get("record", {}), "prompt": r.get("input", r["text"]),
+                                                   "label": r["label"]}) for r in records]
         self.episodes.clear()  # the last call's: ended, their calls refused (404) from here on
         self.episodes.update({e.key: e for e in episodes})
         for e in episodes:
@@ -425,12 +420,11 @@ class ChatAgentEngine:
         import openai
         http = None
         try:
-            # a connection pool of its own (one pool for all scans every connection for each request: quadratic),
-            # one TLS context for all (making one costs ~30 ms)
+            # own pool (a shared one scans all its connections per request: quadratic); one TLS context (~30 ms to make)
             http = openai.DefaultAsyncHttpxClient(verify=self.tls)
             client = openai.AsyncOpenAI(base_url=f"{self.endpoint.url}/episodes/{e.key}/v1", api_key="episode",
                                         max_retries=0, timeout=None, http_client=http)
-            e.result = await self.rollout(client, dict(e.record))
+            e.result = await self.rollout(client, copy.deepcopy(e.record))  # its own: a rollout may change it
         except BaseException as err:  # a cancelled rollout too
             e.error = err
         finally:
@@ -453,8 +447,7 @@ class ChatAgentEngine:
         responses = [r.tolist() for r in out["responses"]]
         logprobs = [lp.tolist() for lp in out["logprobs"]] if out["logprobs"] is not None else None
         want = any(c.fields["logprobs"] for c in calls)
-        if self.in_step:
-            want = bool(common.all_reduce_max([float(want)])[0])
+        want = bool(common.all_reduce_max([float(want)])[0]) if self.in_step else want
         if logprobs is None and want:
             logprobs = self.policy_logprobs(prompts, out["responses"], temperature)
         self.with_logprobs = out["logprobs"] is not None
@@ -488,13 +481,12 @@ class ChatAgentEngine:
 
     def samples(self, records, episodes, versions):
         """The episodes' samples as the engines return them, with their rewards and logs."""
-        rows, logs = [], {"turns": [], "truncated": [], "samples": []}
+        rows = []
         for i, e in enumerate(episodes):
             reward, extra = self.reward(e)
             if not e.trajectories:
                 self.broken("returned without calling the model: an episode trains on what the policy sampled", e)
-            for t in e.trajectories:
-                rows.append((i, t, reward, extra, e))
+            rows += [(i, t, reward, extra, e) for t in e.trajectories]
         names = sorted({k for _, _, _, extra, _ in rows for k in extra})
         tensor = lambda xs, dtype: [torch.tensor(x, dtype=dtype) for x in xs]  # noqa: E731
         out = {"records": [{**records[i], "ids": torch.tensor(t.prompt), "text": self.tokenizer.decode(t.prompt)}
@@ -530,8 +522,7 @@ class ChatAgentEngine:
             x = None
         if x is None or not math.isfinite(x):
             self.broken(f"returned {repr(result)[:80]}; expected a finite number or a dict with a 'reward' number")
-        extra = {k: float(v) for k, v in extra.items() if k != "reward" and isinstance(v, (int, float))}
-        return x, extra
+        return x, {k: float(v) for k, v in extra.items() if k != "reward" and isinstance(v, (int, float))}
 
     def broken(self, problem, e=None):
         """Stop with one line naming the file and the problem; a traceback goes to a file."""
@@ -615,7 +606,8 @@ def main():
     common.quiet_libraries()  # no "Loading weights" bar
     args.apply_chat_template, args.top_p, args.flash_attn, args.load_in_4bit = True, 1.0, False, False
     if args.bf16:
-        common.warn_if_slow_bf16()
+        import kernels  # --bf16 on a CPU: what emulated bf16 costs here
+        kernels.warn_if_slow_bf16()
     tokenizer = common.load_tokenizer(args.checkpoint, args)
     model = common.load_model(args.checkpoint, args, tokenizer, trainable=False,  # the training scripts' rules
                               device_map="cuda" if torch.cuda.is_available() else None).eval()
@@ -635,8 +627,8 @@ def main():
     args.save_path = "agent_server"
     engine = ChatAgentEngine(generate, args, tokenizer)
     engine.endpoint.context = positions(model, tokenizer)  # (the training endpoint's has none: it clips to budgets)
-    out = engine.sample([{"input": r[args.input_key], "text": "", "label": r.get(args.label_key)} for r in records],
-                        args.temperature)
+    out = engine.sample([{"input": r[args.input_key], "text": "", "label": r.get(args.label_key), "record": r}
+                         for r in records], args.temperature)
     for i, record in enumerate(out["records"]):  # what the policy sampled in [brackets]
         pairs = zip(out["responses"][i].tolist(), out["action_mask"][i].tolist())
         text = "".join(("[{}]" if sampled else "{}").format(tokenizer.decode([t for t, _ in run]))

@@ -1,10 +1,9 @@
-"""What every script needs and what would be wrong if the copies drifted: args (a script's DEFAULTS table),
-distributed helpers, the real-checkpoint tokenizer and loading rules, reading records, the log-probs of response
-tokens, atomic saving / resume, logging. Each script holds the rest of its default path (its flags, batches, DeepSpeed
-set-up, loss); tests/test_copies.py compares the copies. What a flag adds is a module imported where the flag is
-handled: packing.py, lora.py, engines.py, agents.py, process_rewards.py. Importing this module sets one thing:
-DeepSpeed's accelerator on a machine without CUDA, which must precede DeepSpeed's import.
-"""
+"""What every script needs and what would be wrong if the copies drifted: args (a script's DEFAULTS table), distributed
+helpers, the real-checkpoint tokenizer and loading rules, reading records, the log-probs of response tokens, atomic
+saving / resume, logging. Each script holds the rest of its default path (its flags, batches, DeepSpeed set-up, loss);
+tests/test_copies.py compares the copies. What a flag adds is a module imported where the flag is handled: packing.py,
+lora.py, engines.py, agents.py, process_rewards.py, kernels.py, checkpoints.py, trackers.py. Importing this module sets
+one thing: DeepSpeed's accelerator on a machine without CUDA, which must precede DeepSpeed's import."""
 
 import argparse
 import atexit
@@ -12,15 +11,12 @@ import contextlib
 import ctypes
 import functools
 import gc
-import hashlib
-import html
 import io
 import json
 import math
 import os
 import random
 import resource
-import shlex
 import shutil
 import signal
 import time
@@ -65,9 +61,8 @@ def fail(message):
 
 # ----------------------------------------------------------------------------------------------- args
 def ranged(kind, lo=-math.inf, hi=math.inf, lo_open=False, hi_open=False, also=()):
-    """An argparse `type=` parsing `kind` that refuses a value outside [lo, hi] (lo_open / hi_open exclude an end, as
-    an infinite one always is) unless it is one of `also`, the sentinels: "argument --train_batch_size: 0 is outside
-    [1, inf)". NaN is outside every range."""
+    """An argparse `type=` parsing `kind` that refuses a value outside [lo, hi] (lo_open / hi_open exclude an end, as an
+    infinite one always is) unless one of `also` (sentinels): "0 is outside [1, inf)". NaN is outside every range."""
     lo_open, hi_open = lo_open or lo == -math.inf, hi_open or hi == math.inf
     end = lambda x: str(x) if isinstance(x, int) else f"{x:g}"  # noqa: E731  (2**32 - 1 whole, 1e-06 short)
     allowed = " or ".join([f"{'(['[not lo_open]}{end(lo)}, {end(hi)}{')]'[not hi_open]}", *map(str, also)])
@@ -83,7 +78,6 @@ def ranged(kind, lo=-math.inf, hi=math.inf, lo_open=False, hi_open=False, also=(
                        or value in also):
             raise argparse.ArgumentTypeError(f"{text} is outside {allowed}" + " (integers end at 2**63 - 1)" * big)
         return value
-
     return parse
 
 
@@ -113,7 +107,8 @@ def parse_args(parser, defaults):
         console.print(f"defaults: {'the toy world' if toy_run else 'a real run'}'s ({why}; a flag you give wins): "
                       f"{' '.join(taken) or 'none left to fill'}", markup=False)
     if args.bf16:
-        warn_if_slow_bf16()
+        import kernels  # --bf16 on a CPU: what emulated bf16 costs here
+        kernels.warn_if_slow_bf16()
     if args.load_in_4bit:
         import lora
         lora.check_options(args)
@@ -128,7 +123,8 @@ def parse_args(parser, defaults):
     if Path(args.save_path).resolve() in Path(args.ckpt_path).resolve().parents:
         fail("--ckpt_path must be outside --save_path, which is replaced whole when the model is saved")
     if args.load_checkpoint:
-        check_checkpoint(args)
+        import checkpoints  # before anything loads: the checkpoint is this run's
+        checkpoints.check(args)
     if threading.current_thread() is threading.main_thread():  # (signals are the main thread's)
         signal.signal(signal.SIGINT, functools.partial(interrupted, args))
     return args
@@ -138,7 +134,6 @@ def quiet_libraries():
     """A run's (and a Ray engine's), not on import: no download bars, transformers' errors only, no notes that
     torch.distributed names are deprecated (DeepSpeed's, vLLM's scan of every module)."""
     import huggingface_hub
-
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # for child processes (Ray workers)
     huggingface_hub.utils.disable_progress_bars()
     warnings.filterwarnings("ignore", message=r".*is deprecated. Please use `torch.distributed")
@@ -167,9 +162,8 @@ def init_distributed(args):
                           MASTER_PORT=str(free_port()))
     with announce_shm_build():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
         keep_freed_memory()
         if "OMP_NUM_THREADS" not in os.environ:  # the deepspeed launcher leaves every rank all cores
@@ -187,14 +181,12 @@ def announce_shm_build():
         yield  # nothing to build
         return
     from torch.utils.cpp_extension import _get_build_directory  # where torch's load() builds (TORCH_EXTENSIONS_DIR)
-
     cache = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
     if not (cache / "deepspeed_shm_comm.so").exists() and os.environ.get("LOCAL_RANK", "0") == "0":
         console.print(f"compiling DeepSpeed's shared-memory communication op for this CPU: once, about a minute "
                       f"(cached in {cache})", markup=False)
-    printed = io.StringIO()
     try:
-        with contextlib.redirect_stdout(printed):
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
             yield
     finally:
         sys.stdout.write("".join(line for line in printed.getvalue().splitlines(keepends=True)
@@ -202,9 +194,8 @@ def announce_shm_build():
 
 
 def keep_freed_memory():
-    """CPU training re-allocates the same activation sizes every step; glibc hands freed blocks over 128 KB back to
-    the kernel and the next step page-faults them in again (3% of the bench's SFT step): keep them, as jemalloc does.
-    The peak RSS hardly moves: every step reaches it anyway."""
+    """CPU training allocates the same sizes every step; glibc gives freed blocks over 128 KB back to the kernel and the
+    next step page-faults them in (3% of the bench's SFT step): keep them; every step reaches the peak RSS anyway."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc (macOS, musl): nothing to tune
@@ -237,9 +228,8 @@ def all_reduce_max(values):
 
 
 def all_reduce_means(metrics, stds=None):
-    """{name: this rank's values (a list of floats or a tensor)} -> {name: the mean over every rank's values}, and for
-    each of `stds` ({name: values}) name_std, their standard deviation over every rank's values (population), all from
-    one all-reduce of sums and counts. Names no rank has a value for are left out."""
+    """{name: this rank's values (floats or a tensor)} -> {name: the mean of all ranks' values}, and for each of `stds`
+    ({name: values}) name_std, their population std (one all-reduce in all). Names with no values are left out."""
     values = [v.flatten() if torch.is_tensor(v) else torch.tensor(v, dtype=torch.float64) for v in metrics.values()]
     spread = [torch.as_tensor(v, dtype=torch.float64).flatten() for v in (stds or {}).values()]
     totals = iter(all_reduce_sum([x for v in values for x in (v.sum().item(), v.numel())] +
@@ -258,69 +248,14 @@ def all_reduce_means(metrics, stds=None):
 
 def checkpoints_node_local(args):
     """Whether --ckpt_path is storage of each node's own (a local disk), not one every rank shares, in a run of several
-    processes that saves or loads checkpoints. Collective: every rank calls it (a script's ds_config)."""
-    return dist.get_world_size() > 1 and (args.save_steps > 0 or args.load_checkpoint) and probe_node_local(args)
-
-
-_NODE_LOCAL = {}
-
-
-def probe_node_local(args):
-    """checkpoints_node_local's answer, kept for the run: every rank leaves a mark in --ckpt_path, and a rank that
-    misses one sees another disk."""
-    world = dist.get_world_size()
-    if args.ckpt_path not in _NODE_LOCAL:
-        run = [os.urandom(8).hex()]
-        dist.broadcast_object_list(run, src=0)  # this run's marks, not a crashed run's
-        marks = Path(args.ckpt_path) / f".ranks-{run[0]}"
-        marks.mkdir(parents=True, exist_ok=True)
-        (marks / str(dist.get_rank())).touch()
-        dist.barrier()
-        missing, = all_reduce_sum([sum(not (marks / str(r)).exists() for r in range(world))])
-        dist.barrier()
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            shutil.rmtree(marks, ignore_errors=True)
-        _NODE_LOCAL[args.ckpt_path] = missing > 0
-    return _NODE_LOCAL[args.ckpt_path]
-
-
-def node_writer(args):
-    """The process that writes a checkpoint's shared files: rank 0, or each node's first with node-local storage."""
-    if checkpoints_node_local(args):
-        return int(os.environ.get("LOCAL_RANK", 0)) == 0
-    return is_rank0()
+    processes that saves or loads checkpoints (checkpoints.node_local). Collective: every rank calls it (ds_config)."""
+    if dist.get_world_size() == 1 or not (args.save_steps > 0 or args.load_checkpoint):
+        return False
+    import checkpoints
+    return checkpoints.node_local(args)
 
 
 # ------------------------------------------------------------------------------------- model loading
-def cpu_has_native_bf16(cpuinfo="/proc/cpuinfo"):
-    """Whether this CPU multiplies bf16 in hardware (x86 avx512_bf16 or AMX, Arm's bf16). Without it PyTorch
-    emulates bf16 matmul: on an AVX2-only EPYC 1 GFLOP/s against 160 for fp32."""
-    try:
-        cpuinfo = Path(cpuinfo).read_text()
-    except OSError:  # not Linux: ask oneDNN
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    flags = {f for line in cpuinfo.splitlines() if line.startswith(("flags", "Features")) for f in line.split()}
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
-def warn_if_slow_bf16():
-    """--bf16 on a CPU that emulates it: say what that costs here (one line) and keep bf16, as asked."""
-    if torch.cuda.is_available() or os.environ.get("RANK", "0") != "0" or cpu_has_native_bf16():
-        return  # (before init_distributed: the launcher's RANK says who prints)
-    speed = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(256, 256, dtype=dtype)
-        x @ x  # warm up
-        t0 = time.perf_counter()
-        for _ in range(3):
-            x @ x
-        speed[dtype] = 3 * 2 * 256**3 / (time.perf_counter() - t0) / 1e9
-    console.print(f"warning: --bf16 on a CPU without native bf16 matmul (no avx512_bf16/amx_bf16): bf16 matmul "
-                  f"ran at {speed[torch.bfloat16]:.1f} GFLOP/s here against {speed[torch.float32]:.0f} for fp32 "
-                  f"({speed[torch.float32] / speed[torch.bfloat16]:.1f}x the time); drop --bf16 to run in fp32",
-                  markup=False)
-
-
 _hf_ds_config = None  # must outlive from_pretrained so ZeRO-3 loads partitioned weights
 
 
@@ -346,8 +281,7 @@ def load_tokenizer(path, args):
 
 
 def chat_turn_end(tokenizer):
-    """The special token the chat template writes right after an assistant reply (<|im_end|>, <|eot_id|>,
-    </s>), or None when it writes none. Found by rendering a short conversation."""
+    """The special token the template writes right after an assistant reply (<|im_end|>, <|eot_id|>, </s>), or None."""
     reply = "Sure: 42."
     try:
         text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"},
@@ -362,11 +296,10 @@ def chat_turn_end(tokenizer):
 
 
 def use_turn_end_as_eos(tokenizer, path):
-    """With --apply_chat_template the stop token is the one the template ends an assistant turn with, as in
-    chat models. A base checkpoint's eos often differs (Qwen2.5 base: eos <|endoftext|>, turns end with
-    <|im_end|>): SFT would then train one token and generation wait for another, so every rollout ran to
-    --generate_max_len. The tokenizer's eos becomes the template's turn end (saved with the model, so rm.py,
-    the RL scripts and serve_rm read rewards at the same token)."""
+    """With --apply_chat_template the stop token is the one the template ends an assistant turn with, as in chat
+    models. A base checkpoint's eos often differs (Qwen2.5 base: eos <|endoftext|>, turns end with <|im_end|>): SFT
+    would then train one token and generation wait for another, so rollouts ran to --generate_max_len. The tokenizer's
+    eos becomes the template's turn end (saved with the model: rm.py, the RL scripts and serve_rm score there)."""
     if not tokenizer.chat_template:
         fail(f"--apply_chat_template: the tokenizer of {path} has no chat template; pass one with "
              "--tokenizer_chat_template or drop --apply_chat_template")
@@ -386,8 +319,7 @@ def use_turn_end_as_eos(tokenizer, path):
 def sampling_as_asked(model):
     """generate() fills every field a call leaves unset from the checkpoint's generation_config.json, even given a
     GenerationConfig: Qwen2.5-Instruct's repetition penalty and top_k would reshape every sampling step, away from
-    the distribution the loss assumes (and vLLM's). Inside this block the model's config is blank but for caching;
-    the checkpoint keeps its own for saving."""
+    the distribution the loss (and vLLM) assumes. Inside, the config is blank but for caching (restored for saving)."""
     saved = model.generation_config
     model.generation_config = transformers.GenerationConfig(cache_implementation=saved.cache_implementation)
     try:
@@ -403,18 +335,16 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
     global _hf_ds_config
     check_model_path(path)
     zero3 = ds_cfg is not None and ds_cfg["zero_optimization"]["stage"] == 3
-    if zero3 and getattr(args, "torch_compile", False):
-        # tried on CPU: dynamo traces ZeRO-3's gather hooks on every submodule, recompiles until its limit, warns
-        fail("--torch_compile does not combine with --zero_stage 3 (the compiler re-traces ZeRO-3's parameter "
-             "gathering hooks in every layer until it gives up): use --zero_stage 2")
-    if zero3:
-        _hf_ds_config = transformers.integrations.HfDeepSpeedConfig(ds_cfg)
     attention, packing_samples = "sdpa", getattr(args, "packing_samples", False)
     if packing_samples:
         import packing
         attention = packing.register_packed_sdpa()
-    if args.flash_attn:
-        attention = check_flash_attn(args.bf16)
+    kernel_flags = args.flash_attn or getattr(args, "use_liger_kernel", False) or getattr(args, "torch_compile", False)
+    if kernel_flags:
+        import kernels  # --flash_attn, --use_liger_kernel, --torch_compile (before HfDeepSpeedConfig: a refusal
+        attention = kernels.before_load(args, zero3, attention)  # leaves no ZeRO-3 state behind)
+    if zero3:
+        _hf_ds_config = transformers.integrations.HfDeepSpeedConfig(ds_cfg)
     if args.load_in_4bit:
         import lora
         kwargs["quantization_config"] = lora.four_bit_config()
@@ -436,10 +366,8 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
         # the template's turn end (use_turn_end_as_eos), saved with the model: a stock generate() stops there too
         generation.eos_token_id = [tokenizer.eos_token_id] + stops
         model.config.eos_token_id = tokenizer.eos_token_id
-    if getattr(args, "use_liger_kernel", False):  # serve_rm has no such flag
-        use_liger_kernel(model)
-    if trainable and getattr(args, "torch_compile", False):  # (frozen models stay eager: dynamo's budget of
-        compile_layers(model)                                  # graphs per function is shared by every model)
+    if kernel_flags:
+        kernels.after_load(model, args, trainable)
     if trainable and args.lora_rank:
         import lora
         model = lora.add_adapters(model, args)
@@ -465,63 +393,13 @@ def check_head(path, model, missing, new_head, hint):
 
 
 def add_embeddings(model, size, zero3):
-    """Embedding rows for the tokens added to the tokenizer, up to `size`. They start at the mean of the others,
-    identical on every load: LoRA leaves embeddings frozen, so an adapter still merges onto a fresh load of the base
-    model exactly."""
+    """Embedding rows for the added tokens, up to `size`. They start at the mean of the others, identical on every load:
+    LoRA leaves embeddings frozen, so an adapter still merges onto a fresh load of the base model exactly."""
     vocab = model.config.vocab_size
     model.resize_token_embeddings(size, mean_resizing=False)
     for emb in {model.get_input_embeddings(), model.get_output_embeddings()} - {None}:
         with deepspeed.zero.GatheredParameters([emb.weight], modifier_rank=0, enabled=zero3), torch.no_grad():
             emb.weight[vocab:] = emb.weight[:vocab].mean(0)
-
-
-def check_flash_attn(bf16):
-    """--flash_attn: flash-attn installed, and bf16 (it has no fp32 kernels: every forward would raise)."""
-    if not bf16:
-        fail("--flash_attn runs in bf16 only: add --bf16")
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        fail("--flash_attn needs the flash-attn package (GPU only): pip install flash-attn")
-    return "flash_attention_2"
-
-
-def use_liger_kernel(model):
-    """--use_liger_kernel: Liger's RMSNorm, SwiGLU and rotary kernels patched into the model. Not its (fused linear)
-    cross-entropy: our losses read the final hidden states (forward_hidden) and make logits a chunk at a time. Its
-    rotary kernel only applies the cos/sin the model computed from position_ids, one row per token: packed rows,
-    whose positions restart per sequence, stay right."""
-    import importlib.util
-
-    missing = [what for what, here in (("the liger-kernel package", importlib.util.find_spec("liger_kernel")),
-                                       ("Triton", importlib.util.find_spec("triton")),
-                                       ("a CUDA GPU", torch.cuda.is_available())) if not here]
-    if missing:
-        fail(f"--use_liger_kernel: this machine lacks {', '.join(missing)} (Liger's kernels are Triton's, for CUDA "
-             "GPUs; make venv-gpu installs liger-kernel, and the CUDA torch brings Triton)")
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-
-    if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:  # Liger would only log it and patch nothing
-        fail(f"--use_liger_kernel: liger-kernel has no kernels for {model.config.model_type} models")
-    _apply_liger_kernel_to_instance(model=model, rms_norm=True, swiglu=True, rope=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False)
-
-
-def compile_layers(model):
-    """--torch_compile: each decoder layer compiled (dynamic shapes: one graph serves every layer and every row
-    length, padded or packed); embeddings and our chunked losses stay eager. packed_sdpa reads a packed row's pieces
-    on the host: the graph breaks there and that part runs as it is. Forwards with a KV cache (generate) run eager:
-    its per-layer state costs a graph per layer and step, and once dynamo's 8 compiles per function are spent, the
-    training forwards would run eager too."""
-    layers = [m for m in model.get_decoder().modules()
-              if isinstance(m, transformers.modeling_layers.GradientCheckpointingLayer)]  # every family's decoder layer
-    if not layers:
-        fail(f"--torch_compile: {type(model).__name__} has no transformers decoder layers to compile (remote code?)")
-    for layer in layers:
-        eager, compiled = layer.forward, torch.compile(layer.forward, dynamic=True)
-        layer.forward = lambda *args, eager=eager, compiled=compiled, **kwargs: (
-            eager if kwargs.get("past_key_values") is not None else compiled)(*args, **kwargs)
 
 
 def disable_dropout(model):
@@ -543,8 +421,7 @@ def load_frozen(path, args, tokenizer, cfg, offload=False, **kwargs):
     model = load_model(path, args, tokenizer, cfg, trainable=False, **kwargs).eval().requires_grad_(False)
     disable_dropout(model)
     if args.zero_stage == 3:
-        engine, *_ = deepspeed.initialize(model=model, config=cfg)
-        return engine.module
+        return deepspeed.initialize(model=model, config=cfg)[0].module
     return model if offload else model.to("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -566,9 +443,8 @@ def load_error(path, e):
 
 
 def check_model_path(path):
-    """A missing local path fails here, before any hub request: one that starts with ".", "/" or "~", has more than
-    one "/", or whose first part is a directory here ("runs/sft_stepz" beside runs/). Anything else shaped like a
-    hub name ("org/name", "gpt2") is left to the hub."""
+    """A missing local path fails before any hub request: one starting with ".", "/" or "~", with more than one "/", or
+    whose first part is a directory here ("runs/sft_stepz" beside runs/); others ("org/name", "gpt2") go to the hub."""
     p = Path(str(path)).expanduser()
     if p.exists():
         return
@@ -677,10 +553,8 @@ def array_lines(text):
 
 
 def read_dataset(source, split):
-    """Anything but JSON, through `datasets`: a .parquet/.csv file, a directory saved with save_to_disk, a hub name
-    -> (records, their locations)."""
+    """Not JSON, via `datasets`: a .parquet/.csv file, a save_to_disk directory, a hub name -> (records, locations)."""
     import datasets  # not for JSON: its import alone takes most of a second
-
     path = Path(source)
     try:
         if path.suffix in (".parquet", ".csv"):
@@ -704,9 +578,8 @@ def format_prompt(raw, tokenizer, args):
 
 
 def rank_share(items):
-    """This rank's share of `items` (every world-th), and for each whether it is real. Every rank gets the
-    same count (a ZeRO-3 forward needs all ranks): the shortfall is filled with items[0], marked
-    real=False, which the caller runs but does not count."""
+    """This rank's share of `items` (every world-th), and for each whether it is real. Every rank gets the same count
+    (a ZeRO-3 forward needs all ranks): the shortfall is filled with items[0], marked real=False: run, not counted."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = list(range(rank, len(items), world))
     mine += [-1] * (-(-len(items) // world) - len(mine))
@@ -737,9 +610,8 @@ def response_inputs(model, batch, pad_id, packing, share_prompts=False):
     if packing:
         from packing import packed_inputs
         return packed_inputs(model, batch, share_prompts, device)
-    ids, attn, pos = batch_sequences([torch.cat(s) for s in batch], pad_id, packing=False)
-    inputs = dict(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=attn.to(device),
-                  use_cache=False)
+    ids, attn, pos = (t.to(device) for t in batch_sequences([torch.cat(s) for s in batch], pad_id, packing=False))
+    inputs = dict(input_ids=ids, position_ids=pos, attention_mask=attn, use_cache=False)
     rows = torch.cat([torch.full((len(r),), i) for i, (_, r) in enumerate(batch)])
     cols = torch.cat([torch.arange(len(p) - 1, len(p) + len(r) - 1) for p, r in batch])
     return inputs, (rows.to(device), cols.to(device))
@@ -748,25 +620,20 @@ def response_inputs(model, batch, pad_id, packing, share_prompts=False):
 def masked_mean(x, mask, dim=None):
     """Mean of x over the entries where mask is true (over all of them, or along `dim`)."""
     mask = mask.to(x.dtype)
-    if dim is None:
-        return (x * mask).sum() / mask.sum()
-    return (x * mask).sum(dim) / mask.sum(dim)
+    return (x * mask).sum(dim) / mask.sum(dim)  # (dim=None: over all entries)
 
 
 def masked_whiten(x, mask, shift_mean=True, eps=1e-8, across_ranks=False, std_norm=True):
-    """(x - mean) / std over the masked entries (population variance, float64 sums); shift_mean=False
-    adds the mean back, so only the scale changes; std_norm=False only subtracts the mean (OpenRLHF's
-    --no_advantage_std_norm). Entries outside the mask come out as 0. With
-    `across_ranks` the mean and variance are those of the masked entries on every rank (a batch split
-    over processes), from one all-reduce."""
+    """(x - mean) / std over the masked entries (population variance, float64 sums); shift_mean=False adds the mean
+    back, so only the scale changes; std_norm=False only subtracts the mean (OpenRLHF's --no_advantage_std_norm).
+    Entries outside the mask come out as 0. With `across_ranks` the mean and variance are those of the masked entries
+    on every rank (a batch split over processes), from one all-reduce."""
     kept = x[mask.bool()].double()
     sums = [kept.numel(), kept.sum().item(), (kept ** 2).sum().item()]
     count, total, squares = all_reduce_sum(sums) if across_ranks else sums
     mean = total / count
     whitened = (x - mean) / (math.sqrt(max(squares / count - mean ** 2, 0.0) + eps) if std_norm else 1.0)
-    if not shift_mean:
-        whitened = whitened + mean
-    return whitened * mask.to(x.dtype)
+    return (whitened if shift_mean else whitened + mean) * mask.to(x.dtype)
 
 
 def approx_kl(logprobs, ref_logprobs, estimator="k1"):
@@ -818,7 +685,7 @@ def unwrap(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-# what Granite, Cohere and Gemma 2/3 do to the output layer's logits (output_layer; token_nll_sum does not fuse them)
+# what Granite, Cohere and Gemma 2/3 do to the output layer's logits (output_layer; sft.py's fused loss skips them)
 LOGIT_SCALING = ("logits_scaling", "logit_scale", "final_logit_softcapping")
 
 
@@ -828,17 +695,14 @@ def frozen_partitioned(params):
 
 
 def output_layer(model):
-    """hidden states [..., H] -> logits [..., V] as the model's own forward makes them: its output layer (a module
-    call, so ZeRO-3 gathers it and LoRA applies), then the scaling or soft-capping some families add (Granite, Cohere,
-    Gemma 2/3)."""
+    """hidden states [..., H] -> logits [..., V] as the model's own forward makes them: its output layer (a module call,
+    so ZeRO-3 gathers it and LoRA applies), then the scaling or soft-capping some families add (LOGIT_SCALING)."""
     inner = unwrap(model)
     head, cfg = inner.get_output_embeddings(), inner.config.get_text_config()
     divide, scale, cap = (getattr(cfg, k, None) for k in LOGIT_SCALING)
-
     params = list(head.parameters())
     if frozen_partitioned(params):
-        # frozen under ZeRO-3 (LoRA): backward's recompute of a chunk (chunked) would find it released (ZeRO-3
-        # gathers in backward what needs a gradient), so a gathered copy, [V, H], serves this loss
+        # backward's recompute of a chunk would find it released (ZeRO-3 regathers only what gets a gradient): copy it
         with deepspeed.zero.GatheredParameters(params):
             weight, bias = (None if w is None else w.detach().clone() for w in (head.weight, head.bias))
         head = functools.partial(torch.nn.functional.linear, weight=weight, bias=bias)
@@ -851,20 +715,30 @@ def output_layer(model):
     return logits
 
 
-LOGPROB_CHUNK = 1024  # tokens whose logits exist at once: [1024, V], 0.6 GB in fp32 at a 152k vocabulary
+LOGPROB_CHUNK = 1024  # the most tokens whose logits exist at once
+CHUNK_LOGITS = 1024 * 32768  # the most logits a chunk holds: [1024, 32k], 128 MB in fp32
+
+
+def chunk_rows(vocab):
+    """Tokens per chunk of the output layer: LOGPROB_CHUNK, fewer past a 32k vocabulary so that one chunk's logits
+    stay within CHUNK_LOGITS (220 tokens at Qwen's 152k; Liger sizes its chunks so too), but never under 128 (a
+    narrower matmul wastes the machine; past a 262k vocabulary a chunk holds a little more)."""
+    return min(LOGPROB_CHUNK, max(CHUNK_LOGITS // vocab, 128))
 
 
 def chunked(model, fn, *rows):
-    """fn(*chunk) over LOGPROB_CHUNK rows of each of `rows` at a time -> its outputs, each concatenated (None stays
-    None). fn makes a chunk's logits from hidden states and reduces them; with a graph each chunk runs under
-    checkpoint, so backward makes its logits again and autograd keeps none: the [tokens, V] logits never exist (and
-    whatever changes the model, an adapter switch or a device move, must last until after backward).
-    Under ZeRO-3 each output-layer call gathers it by a collective (not a frozen one: output_layer reads that from
-    one gathered copy), so every rank makes as many calls (empty chunks pad the shorter), and as many as the most its
-    kind (training, no-grad) made before: DeepSpeed prefetches along the order of module calls it recorded, which a
-    count changing with the batch's token count would void."""
-    chunks, inner = list(zip(*(r.split(LOGPROB_CHUNK) for r in rows))), unwrap(model)
-    params = list(inner.get_output_embeddings().parameters())
+    """fn(*chunk) over chunk_rows rows of each of `rows` at a time -> its outputs, each concatenated (None stays None).
+    fn makes a chunk's logits from hidden states and reduces them; with a graph each chunk runs under checkpoint, so
+    backward makes its logits again and autograd keeps none: the [tokens, V] logits never exist (and whatever changes
+    the model, an adapter switch or a device move, must last until after backward). Under ZeRO-3 each output-layer call
+    gathers it by a collective (unless frozen_partitioned), so every rank makes as many calls (empty chunks pad the
+    shorter), and as many as the most its kind (training, no-grad) made before: DeepSpeed prefetches along the order of
+    module calls it recorded, which a count changing with the batch's token count would void."""
+    inner = unwrap(model)
+    head = inner.get_output_embeddings()
+    vocab = getattr(head, "out_features", None) or inner.config.get_text_config().vocab_size  # (ZeRO-3: no shape)
+    chunks = list(zip(*(r.split(chunk_rows(vocab)) for r in rows)))
+    params = list(head.parameters())
     if any(hasattr(p, "ds_id") for p in params) and not frozen_partitioned(params):  # a ZeRO-3 module call
         most, kind = inner.__dict__.setdefault("_most_chunks", {}), torch.is_grad_enabled()
         most[kind] = int(all_reduce_max([max(len(chunks), most.get(kind, 0))])[0])
@@ -881,53 +755,6 @@ def token_logprobs(model, hidden, tokens, temperature=1.0, with_entropy=False, e
                    hidden, tokens)
 
 
-def token_nll_sum(model, hidden, tokens):
-    """-sum of log pi(token | hidden) over `tokens` [N] (SFT's loss before its mean), from the final hidden states
-    [N, H]: fused (LinearNLL) where the output layer is a plain matrix (not ZeRO-3 partitioned, no LoRA, bias or logit
-    scaling on it), else through token_logprobs (each chunk's logits made again in backward)."""
-    inner = unwrap(model)
-    head, cfg = inner.get_output_embeddings(), inner.config.get_text_config()
-    fused = type(head) is torch.nn.Linear and head.bias is None and not hasattr(head.weight, "ds_id") and not any(
-        getattr(cfg, k, None) for k in LOGIT_SCALING)
-    if fused and torch.is_grad_enabled() and hidden.requires_grad:  # (an eval needs no gradients)
-        return LinearNLL.apply(hidden, head.weight, tokens)
-    logprobs, _ = token_logprobs(model, hidden, tokens)
-    return -logprobs.sum()
-
-
-class LinearNLL(torch.autograd.Function):
-    """-sum_i log softmax(hidden_i W^T)[token_i] with its gradient taken in the same pass, LOGPROB_CHUNK tokens at a
-    time (the fused linear cross-entropy of Liger Kernel and TRL, written for this): the loss ends the graph, so
-    backward only scales the gradients kept from forward. One output-layer matmul fewer than making each chunk's
-    logits again in backward, and no logits kept; the softmax in fp32 at least."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, tokens):
-        loss = hidden.new_zeros((), dtype=torch.promote_types(weight.dtype, torch.float32))
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # None: a frozen head (LoRA)
-        chunks = zip(hidden.split(LOGPROB_CHUNK), tokens.split(LOGPROB_CHUNK), grad_hidden.split(LOGPROB_CHUNK))
-        for h, t, gh in chunks:
-            x = (h @ weight.T).to(loss.dtype)  # [C, V]: the only logits there are
-            lse = x.logsumexp(-1)
-            rows = torch.arange(len(t), device=t.device)
-            loss += (lse - x[rows, t]).sum()
-            grad = x.sub_(lse[:, None]).exp_()  # d/dx of -log softmax(x)[t] = softmax(x) - onehot(t), in place
-            grad[rows, t] -= 1
-            grad = grad.to(h.dtype)
-            gh.copy_(grad @ weight)
-            if grad_weight is not None:
-                grad_weight.addmm_(grad.T, h)  # in the weight's dtype per chunk, as Liger's
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        scale = lambda g: None if g is None else g * grad_loss.to(g.dtype)  # noqa: E731
-        return scale(grad_hidden), scale(grad_weight), None
-
-
 def response_logprobs(model, batch, pad_id, packing, temperature=1.0, per_token=True, with_entropy=False,
                       entropy_grad=True, share_prompts=True):
     """log pi(token | what precedes it) at `temperature` of each response token of batch, (prompt_ids, response_ids)
@@ -941,8 +768,7 @@ def response_logprobs(model, batch, pad_id, packing, temperature=1.0, per_token=
     entropy = pad_sequence(entropy.split(lengths), batch_first=True) if with_entropy else None
     if per_token:
         return pad_sequence(logp.split(lengths), batch_first=True), entropy, getattr(out, "aux_loss", None)
-    sequence = torch.repeat_interleave(torch.arange(len(batch), device=logp.device),
-                                       torch.tensor(lengths, device=logp.device))
+    sequence = torch.arange(len(batch), device=logp.device).repeat_interleave(torch.tensor(lengths, device=logp.device))
     return logp.new_zeros(len(batch)).index_add(0, sequence, logp), entropy, getattr(out, "aux_loss", None)
 
 
@@ -967,10 +793,6 @@ def seq_mean(x, action_mask):
 
 
 # ---------------------------------------------------------------------------------- saving / resume
-RUN_FLAGS = ("lora_rank", "target_modules", "zero_stage")  # what shapes a checkpoint's saved state
-_own_checkpoints = set()  # what this process resumed from or saved (or began to): what Ctrl-C may name
-
-
 def save_hf_model(engine, tokenizer, path, args, extra_config=None):
     """Write a plain Hugging Face directory (ZeRO-3 shards gathered on rank 0). With --lora_rank it
     holds the adapter (adapter_config.json, adapter_model.safetensors; merge_lora.py makes a full model)."""
@@ -994,10 +816,8 @@ def write_hf_dir(model, tokenizer, path, state=None, extra_config=None):
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    for key, value in (extra_config or {}).items():
-        setattr(model.config, key, value)
-    # save_pretrained empties the state dict it is given: pass a copy
-    model.save_pretrained(tmp, **({} if state is None else {"state_dict": dict(state)}))
+    model.config.update(extra_config or {})
+    model.save_pretrained(tmp, **({} if state is None else {"state_dict": dict(state)}))  # a copy: it empties its input
     if getattr(model, "_hf_peft_config_loaded", False) and extra_config:
         (tmp / "extra_config.json").write_text(json.dumps(extra_config, indent=2) + "\n")
     tokenizer.save_pretrained(tmp)
@@ -1014,198 +834,42 @@ def write_hf_dir(model, tokenizer, path, state=None, extra_config=None):
 
 
 def save_checkpoint(engine, args, step, extra=None, others=None):
-    """Resumable state: model, optimizer, scheduler (DeepSpeed), data position (step, plus what a script
-    puts in `extra`) and each rank's RNG; `others` ({name: engine}, e.g. a critic) go to <ckpt_path>/<name>
-    first. DeepSpeed writes the 'latest' pointer last, so a kill mid-save resumes from the previous one."""
-    tag = f"global_step{step}"
-    tag_dir = Path(args.ckpt_path) / tag
-    tag_dir.mkdir(parents=True, exist_ok=True)
-    for name, other in (others or {}).items():
-        other.save_checkpoint(str(Path(args.ckpt_path) / name), tag=tag)
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-    torch.save(rng, tag_dir / f"rng_rank{dist.get_rank()}.pt")
-    if node_writer(args):  # what wrote it, which a resume checks (check_checkpoint)
-        (tag_dir / ".run.json.tmp").write_text(json.dumps(run_record(args), indent=2) + "\n")
-        (tag_dir / ".run.json.tmp").rename(tag_dir / "run.json")
-    _own_checkpoints.add(str(tag_dir))  # (named once 'latest' says it: DeepSpeed writes that last)
-    engine.save_checkpoint(args.ckpt_path, tag=tag, client_state={"step": step, **(extra or {})})
-    if node_writer(args):  # (DeepSpeed's save ends when every rank's files are written)
-        for d in [Path(args.ckpt_path)] + [Path(args.ckpt_path) / name for name in others or {}]:
-            if not is_rank0():  # DeepSpeed writes 'latest' on rank 0 only: the other nodes' copies
-                tmp = d / f".latest.tmp-{dist.get_rank()}"
-                tmp.write_text(tag)
-                tmp.rename(d / "latest")
-            old = sorted(d.glob("global_step*"), key=lambda p: int(p.name[len("global_step"):]))
-            for p in old[:-args.max_ckpt_num]:
-                shutil.rmtree(p, ignore_errors=True)
-    dist.barrier()
+    """--save_steps: a resumable checkpoint of the run at `step` in --ckpt_path (checkpoints.save)."""
+    import checkpoints
+    checkpoints.save(engine, args, step, extra, others)
 
 
 def load_checkpoint(engine, args, total_steps, others=None):
-    """With --load_checkpoint, resume from the latest checkpoint in --ckpt_path where there is one -> (the step to
-    continue from, save_checkpoint's `extra` keys); else (0, {})."""
-    return resume(engine, args, total_steps, others) if args.load_checkpoint else (0, {})
-
-
-def latest_tag(ckpt_path):
-    """The checkpoint `latest` names in ckpt_path (global_stepN), or None where there is none."""
-    latest = Path(ckpt_path) / "latest"
-    return latest.read_text().strip() if latest.exists() else None
-
-
-def run_record(args):
-    """What a checkpoint keeps of the run that wrote it (run.json) and a resume must match: the script, the model it
-    started from (`model`: model_identity), the flags that shape the saved state."""
-    return {"script": Path(sys.argv[0]).name, "pretrain": args.pretrain, "model": model_identity(args.pretrain),
-            **{k: getattr(args, k) for k in RUN_FLAGS}}
-
-
-def model_identity(path):
-    """A local model's identity that survives moving its directory and tells two trainings of one architecture apart:
-    a hash of its config and of 1 MB from the middle of each weight file (trained weights differ there). A hub name
-    is its own identity."""
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        return str(path)
-    digest = hashlib.sha256((root / "config.json").read_bytes() if (root / "config.json").is_file() else b"")
-    for f in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")):
-        with open(f, "rb") as weights:
-            size = f.stat().st_size
-            weights.seek(size // 2)
-            digest.update(f"{f.name} {size}".encode() + weights.read(1 << 20))
-    return digest.hexdigest()[:16]
-
-
-def check_checkpoint(args):
-    """--load_checkpoint, before anything loads: the latest checkpoint in --ckpt_path is this script's, from the same
-    model and state-shaping flags (its run.json), else one line saying what was found and what was expected. One
-    written before checkpoints kept run.json (this project before 2026-11-29) resumes as then, said in a line."""
-    name, rank0 = latest_tag(args.ckpt_path), os.environ.get("RANK", "0") == "0"
-    if name is None:
-        if rank0:
-            console.print(f"--load_checkpoint: no checkpoint in {args.ckpt_path} yet: starting at step 0", markup=False)
-        return
-    tag = Path(args.ckpt_path) / name
-    if not tag.is_dir():
-        fail(f"--load_checkpoint: {Path(args.ckpt_path) / 'latest'} names {name}, which is not in {args.ckpt_path}")
-    if not (tag / "run.json").is_file():
-        if rank0:
-            console.print(f"--load_checkpoint: {tag} has no run.json (written before checkpoints kept one): resumed "
-                          "without checking which script and model wrote it", markup=False)
-        return
-    try:
-        saved = json.loads((tag / "run.json").read_text())
-    except ValueError as e:
-        fail(f"--load_checkpoint: {tag / 'run.json'} is not JSON ({e})")
-    mine = run_record(args)
-    if saved.get("script") != mine["script"]:
-        fail(f"--load_checkpoint: {tag} was written by {saved.get('script')}, not {mine['script']}: give this run's "
-             "own --ckpt_path (by default --save_path + _checkpoints)")
-    if saved.get("model") != mine["model"]:
-        fail(f"--load_checkpoint: {tag} continues a run from --pretrain {saved.get('pretrain')}, another model than "
-             f"this run's --pretrain {args.pretrain} (their configs or weights differ): resume with the model it "
-             "started from, or give a new --ckpt_path")
-    differ = [k for k in RUN_FLAGS if saved.get(k) != mine[k]]
-    if differ:
-        fail(f"--load_checkpoint: {tag} continues a run with {' '.join(f'--{k} {saved.get(k)}' for k in differ)}, "
-             f"this run has {' '.join(f'--{k} {mine[k]}' for k in differ)}: resume with the flags it was saved with, "
-             "or give a new --ckpt_path")
+    """With --load_checkpoint, resume from the latest checkpoint in --ckpt_path where there is one (checkpoints.resume)
+    -> (the step to continue from, save_checkpoint's `extra` keys); else (0, {})."""
+    if not args.load_checkpoint:
+        return 0, {}
+    import checkpoints
+    return checkpoints.resume(engine, args, total_steps, others)
 
 
 def interrupted(args, signum, frame):
-    """Ctrl-C (SIGINT, set by parse_args under plain python; the deepspeed launcher and torchrun end their ranks
-    themselves): one line, the checkpoint this run last saved or resumed from and the command that resumes it, then
-    exit 130 as a shell's interrupted command, through every `finally` (Ray and vLLM shut down as usual). A second
-    Ctrl-C is Python's own KeyboardInterrupt."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    if os.environ.get("RANK", "0") == "0":
-        name = latest_tag(args.ckpt_path)
-        tag = name and str(Path(args.ckpt_path) / name)
-        command = [a for a in sys.argv if not a.startswith("--local_rank")] + ["--load_checkpoint"] * (
-            not args.load_checkpoint)
-        launch = "python " if int(os.environ.get("WORLD_SIZE", "1")) == 1 else "your launcher and "
-        console.print(f"interrupted: the last checkpoint is {tag}; resume with {launch}{shlex.join(command)}"
-                      if tag in _own_checkpoints else
-                      f"interrupted: this run saved no checkpoint (--save_steps {args.save_steps}): nothing to resume",
-                      markup=False)
-    raise SystemExit(130)
-
-
-def resume(engine, args, total_steps, others=None):
-    """load_checkpoint's resume: model, optimizer and scheduler (DeepSpeed), `others` from the same step, this rank's
-    RNG, from the checkpoint every rank sees as the latest (none: start afresh); one at or past the run's
-    `total_steps` (a finished run, or another run's) stops in one line."""
-    tags = [None] * dist.get_world_size()  # what each rank would resume from: all the same step, or none
-    dist.all_gather_object(tags, latest_tag(args.ckpt_path))
-    if all(t is None for t in tags):
-        return 0, {}
-    if len(set(tags)) > 1:
-        seen = ", ".join(f"rank {r}: {t or 'none'}" for r, t in enumerate(tags))
-        fail(f"--load_checkpoint: the ranks see different checkpoints in {args.ckpt_path} ({seen}); every node needs "
-             "the same step")
-    ckpt_path, tag = args.ckpt_path, Path(args.ckpt_path) / tags[0]
-    if not tags[0].startswith("global_step") or not tags[0][len("global_step"):].isdigit():
-        fail(f"--load_checkpoint: {tag} is not a checkpoint of this project's (global_stepN)")
-    step, done = int(tags[0][len("global_step"):]), Path(args.save_path) / "eval_results.json"
-    # its step the run's last, and the final model saved after it (not a run stopped before its final save)
-    finished = step == total_steps and done.is_file() and done.stat().st_mtime >= tag.stat().st_mtime
-    if step > total_steps or all_reduce_max([finished])[0]:
-        why = f"the run is finished (its model: {args.save_path}); more epochs or episodes continue it" \
-            if step == total_steps else "past this run's end: the run that saved it was longer (more epochs, " \
-            "samples or episodes)"
-        fail(f"--load_checkpoint: {tag} is at step {step}, this run has {total_steps} steps: {why}; a new "
-             "--ckpt_path starts afresh")
-    load_path, client_state = engine.load_checkpoint(ckpt_path)
-    if load_path is None:
-        fail(f"could not load the checkpoint in {ckpt_path}")
-    step = client_state["step"]
-    for name, other in (others or {}).items():
-        loaded, _ = other.load_checkpoint(str(Path(ckpt_path) / name), tag=f"global_step{step}")
-        if loaded is None:
-            fail(f"could not load the {name} checkpoint of step {step} in {ckpt_path}")
-    rng = torch.load(Path(ckpt_path) / f"global_step{step}" / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] is not None:
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    _own_checkpoints.add(str(tag))
-    if is_rank0():
-        console.print(f"resumed from {ckpt_path} at step {step}")
-    return step, client_state
+    """Ctrl-C (SIGINT, set by parse_args under plain python): one line naming the checkpoint to resume from
+    (checkpoints.interrupted), then exit 130."""
+    import checkpoints
+    checkpoints.interrupted(args)
 
 
 # --------------------------------------------------------------------------------------------- logging
 class Logger:
     """A rich progress bar on rank 0, plus TensorBoard / wandb when asked; metrics are already reduced."""
-
     def __init__(self, args, total_steps, start_step=0, timed=()):
-        self.args, self.rank0, self.tb, self.wandb = args, is_rank0(), None, None
+        self.args, self.rank0, self.trackers = args, is_rank0(), None
         self.steps, self.start_step, self.totals = total_steps, start_step, dict.fromkeys(timed, 0.0)
         if not self.rank0:
             return
         if args.use_tensorboard or args.use_wandb:
-            self.open_trackers(args)
+            import trackers  # --use_tensorboard, --use_wandb
+            self.trackers = trackers.Trackers(args)
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"), console=console)
         self.task = self.progress.add_task("train", total=total_steps, completed=start_step, metrics="")
         self.progress.start()
-
-    def open_trackers(self, args):
-        """--use_tensorboard DIR, --use_wandb: where the metrics also go."""
-        if args.use_tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                fail("--use_tensorboard needs the tensorboard package: pip install tensorboard")
-            self.tb = SummaryWriter(args.use_tensorboard)
-        if args.use_wandb:
-            try:
-                import wandb
-            except ImportError:
-                fail("--use_wandb needs the wandb package: pip install wandb")
-            self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_run_name, config=vars(args))
 
     def log(self, step, metrics, prefix="train"):
         if prefix == "train":  # the `timed` seconds, summed for run_times
@@ -1217,16 +881,12 @@ class Logger:
             self.progress.update(self.task, completed=step, metrics=text)
         if prefix != "train" or step % self.args.logging_steps == 0 or step == self.steps:  # the last step too
             self.progress.console.print(f"{prefix} step {step}: {text}", markup=False)
-        for k, v in metrics.items():
-            if self.tb:
-                self.tb.add_scalar(f"{prefix}/{k}", v, step)
-        if self.wandb:
-            self.wandb.log({f"{prefix}/{k}": v for k, v in metrics.items()}, step=step)
+        if self.trackers:
+            self.trackers.log(step, metrics, prefix)
 
     def log_samples(self, step, rows, prefix="eval", limit=400):
         """Samples at `step` (rows: dicts with the same keys, of texts and numbers; an RL script's eval_samples): a
-        table on the console, a text over `limit` characters shown as its start and end, and the rows in full to
-        TensorBoard (text `{prefix}/samples`, a markdown table) and wandb (a Table)."""
+        table on the console, a text over `limit` characters as its start and end; the rows in full to the trackers."""
         if not self.rank0 or not rows:
             return
         texts = [[v if isinstance(v, str) else f"{v:.4g}" for v in row.values()] for row in rows]
@@ -1237,18 +897,11 @@ class Logger:
             table.add_row(*(Text(t if len(t) <= limit else f"{t[:limit // 2]} …[{len(t) - limit} characters]… "
                                                            f"{t[-(limit // 2):]}") for t in row))
         self.progress.console.print(table)
-        if self.tb:  # escaped: markdown would take <|im_start|> for an HTML tag and | for a cell's end
-            cells = [list(rows[0]), ["---"] * len(rows[0]),
-                     *([html.escape(t).replace("|", "&#124;").replace("\n", "<br>") for t in row] for row in texts)]
-            self.tb.add_text(f"{prefix}/samples", "\n".join(f"| {' | '.join(line)} |" for line in cells), step)
-        if self.wandb:
-            import wandb
-            self.wandb.log({f"{prefix}/samples": wandb.Table(columns=list(rows[0]),
-                                                             data=[list(r.values()) for r in rows])}, step=step)
+        if self.trackers:
+            self.trackers.log_samples(step, rows, texts, prefix)
 
     def run_times(self, start):
-        """The run's times for eval_results.json: train_time_s, steps, and each `timed` metric's mean per step run
-        (generate_s -> generate_s_per_step)."""
+        """eval_results.json's train_time_s, steps and each `timed` metric's mean per step run (generate_s_per_step)."""
         done = max(self.steps - self.start_step, 1)
         return dict(train_time_s=time.time() - start, steps=self.steps,
                     **{f"{k[:-2]}_s_per_step": v / done for k, v in self.totals.items()})
@@ -1256,18 +909,14 @@ class Logger:
     def close(self):
         if self.rank0:
             self.progress.stop()
-            if self.tb:
-                self.tb.close()
-            if self.wandb:
-                self.wandb.finish()
+            if self.trackers:
+                self.trackers.close()
 
 
 def log_eval(logger, step, metrics, results=None, suffix=""):
     """Log eval metrics at `step` ({name: mean}, or an RL script's evaluate: {"metrics": ..., "samples": rows}, whose
     rows Logger.log_samples shows); with `results`, keep the metrics there too, as eval_<name><suffix>."""
-    samples = []
-    if "samples" in metrics:
-        metrics, samples = metrics["metrics"], metrics["samples"]
+    metrics, samples = (metrics["metrics"], metrics["samples"]) if "samples" in metrics else (metrics, [])
     logger.log(step, metrics, prefix="eval")
     logger.log_samples(step, samples)
     if results is not None:

@@ -18,13 +18,21 @@ Stages run as plain commands (shown as they start), each from the previous stage
                                                             preferences on the policy's own samples: 8 answers a
                                                             prompt, the toy rule judging (the stand-in labeller),
                                                             every right answer against each distinct wrong one
+                                                            (best against worst alone leaves an RM that PPO exploits)
     python rm.py --pretrain runs/sft --dataset runs/pairs_train.jsonl,toy_world/pref_train.jsonl ... -> runs/rm_policy
-                                                            the RM that PPO and online DPO learn from
+                                                            the RM that PPO and online DPO learn from: the policy
+                                                            errs only where a carry is due, so its pairs alone all
+                                                            say "ten more is better", and PPO and online DPO learned
+                                                            to add ten everywhere (README); the toy's written pairs
+                                                            say otherwise
     python grpo.py --pretrain runs/sft_start [--vllm] -> runs/grpo, runs/grpo_vllm
                                                             held-out accuracy before -> after, s/step
     python distill.py --pretrain runs/sft_start --teacher_pretrain runs/sft --lmbda 1 -> runs/distill
                                                             on-policy distillation: held-out accuracy before -> after
-    python dpo.py --pretrain runs/sft_start --dataset runs/pairs_train.jsonl ... -> runs/dpo
+    python dpo.py --pretrain runs/sft_start --dataset runs/pairs_train.jsonl --nll_loss_coef 1 ... -> runs/dpo
+                                                            the policy's pairs, with the chosen answers' NLL (RPO):
+                                                            without it pushing "95" down also pushed down the end
+                                                            after "125", which became "1255"
     python online_dpo.py --pretrain runs/sft_start --reward_pretrain runs/rm_policy -> runs/dpo_online
                                                             held-out exact match, or greedy accuracy, before -> after
     python ppo.py --pretrain runs/sft_start --reward_pretrain runs/rm_policy --normalize_reward ... [--vllm | --ray]
@@ -71,14 +79,8 @@ def stages(world):
              "--learning_rate", "1e-3", "--lr_warmup_ratio", "0.1", "--train_batch_size", "64",
              "--micro_train_batch_size", "64", "--max_len", "64", "--max_epochs", "4", "--eval_generate_samples", "500",
              "--generate_max_len", "48"]
-    # InstructGPT's recipe: the preferences come from the policy RL will improve. SFT start samples 8 answers to
-    # every prompt, the toy rule judges them (the stand-in for a human labeller), and every two distinct answers it
-    # ranks differently are a pair (best against worst alone leaves an RM that PPO exploits: see README). An RM
-    # learns those pairs and the toy's written ones (pref_train; rm.py's toy defaults are for those alone, so the
-    # settings are spelled out): the policy errs only where a carry is due, so its pairs alone all say "ten more is
-    # better", and PPO and online DPO learned to add ten everywhere (README). PPO and online DPO learn from that RM,
-    # offline DPO from the policy's pairs themselves, with the chosen answers' NLL beside its loss (RPO: without it
-    # pushing the rejected answers down also pushed down the end of sequence after the chosen ones: "125" -> "1255").
+    # the policy's own pairs (InstructGPT's recipe; why the RM also learns the toy's written pairs and why DPO adds
+    # the chosen answers' NLL: the module docstring)
     sample = ["make_pairs.py", "--pretrain", "runs/sft_start", "--remote_rm_url", os.path.relpath(toy.__file__),
               "--label_key", "label", "--n_samples_per_prompt", "8", "--pairs", "all", "--prompt_max_len", "16",
               "--generate_max_len", "8"]

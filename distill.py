@@ -2,17 +2,15 @@
 the student moves toward the teacher where it actually goes (GKD: Agarwal et al. 2024, "On-Policy Distillation of
 Language Models: Learning from Self-Generated Mistakes"; and the per-token reverse-KL policy gradient).
 
-    python distill.py --teacher_pretrain runs/sft                 # toy world: the student is --pretrain (default
-                                                                  # the random toy model), prompts its SFT data
+    python distill.py --teacher_pretrain runs/sft  # toy world: student --pretrain (random by default), its SFT prompts
     python distill.py --pretrain runs/sft_start --teacher_pretrain runs/sft --lmbda 1
     deepspeed --num_gpus 8 distill.py --pretrain Qwen/Qwen2.5-0.5B-Instruct \\
         --teacher_pretrain Qwen/Qwen2.5-7B-Instruct --dataset prompts.jsonl --input_key prompt \\
         --apply_chat_template --vllm --zero_stage 3 --bf16 --lmbda 1
 
-Each step takes --rollout_batch_size prompts. With probability --lmbda the student samples their completions
-(on-policy; HF generate, or vLLM with --vllm / --ray as in grpo.py); otherwise the completions are the dataset's
-(--output_key), or with --seq_kd the teacher's own samples. Then --max_epochs passes of updates in batches of
---train_batch_size, with --loss_type:
+Each step takes --rollout_batch_size prompts. With probability --lmbda the student samples their completions (on-policy:
+HF generate, or vLLM with --vllm / --ray as in grpo.py), else they are the dataset's (--output_key) or, with --seq_kd,
+the teacher's own samples. Then --max_epochs passes of updates in batches of --train_batch_size, with --loss_type:
   gkd      generalized_jsd_loss over the full next-token distributions at every completion token: --beta 0 the
            forward KL(teacher || student), 1 the reverse KL(student || teacher), in between JSD(beta)
   sampled  sampled_kl_loss: a per-token reward -(log pi_student - log pi_teacher) of the sampled token, as a clipped
@@ -20,15 +18,14 @@ Each step takes --rollout_batch_size prompts. With probability --lmbda the stude
 Teacher and student share a tokenizer (the same vocabulary and special tokens). The teacher is frozen, loaded like
 a reference model (ZeRO-3 partitioned; --teacher_offload keeps it on the CPU between uses).
 
-The implementation details, each where it happens: dropout off in both (common.disable_dropout; load_frozen),
-both distributions at --temperature (generalized_jsd_loss; TRL's GKD divides both logits too), the interior JSD
-written with the mixture's log-probs by logsumexp and its two ends special-cased (it tends to 0 at beta 0 and 1, not
-to the KLs), the loss a mean over every completion token of the micro-batch (token-mean, as TRL's), the dataset's
-completions tokenized as sft.py trains them (dataset_rollout), the on-policy coin seeded alike on every rank (all
-ranks take the same branch, as ZeRO-3's generation needs, and a resumed run the uninterrupted one's), the gkd
-teacher read per micro-batch, both models' logits made from their hidden states a chunk of tokens at a time and cut
-to the tokenizer's vocabulary (gkd_loss: no [tokens, V] logits; with --teacher_offload below ZeRO-3 the teacher moves
-to the accelerator for each micro-batch, its forward and the student's backward, memory bought with time).
+The implementation details, each where it happens: dropout off in both (common.disable_dropout; load_frozen), both
+distributions at --temperature (generalized_jsd_loss; TRL's GKD divides both logits too), the interior JSD by logsumexp
+and its two ends the KLs (it tends to 0 there), the loss a mean over the micro-batch's completion tokens (token-mean, as
+TRL's), the dataset's completions tokenized as sft.py trains them (dataset_rollout), the on-policy coin seeded alike on
+every rank (all ranks take the same branch, as ZeRO-3's generation needs, and a resumed run the uninterrupted one's),
+the gkd teacher read per micro-batch, both models' logits made from their hidden states a chunk of tokens at a time and
+cut to the tokenizer's vocabulary (gkd_loss: no [tokens, V] logits; with --teacher_offload below ZeRO-3 the teacher
+moves to the accelerator for each micro-batch, its forward and the student's backward, memory bought with time).
 """
 
 import argparse
@@ -58,8 +55,7 @@ def generalized_jsd_loss(student_logits, teacher_logits, beta=0.5, temperature=1
         beta = 0       KL(T || S) = sum_v T (log T - log S)                               forward KL (SFT-like)
         beta = 1       KL(S || T) = sum_v S (log S - log T)                               reverse KL (mode-seeking)
         0 < beta < 1   beta KL(T || M) + (1 - beta) KL(S || M),  M = beta T + (1 - beta) S     JSD(beta)
-    The same convention as TRL's generalized_jsd_loss (beta 0 forward, 1 reverse; M weights the teacher by beta).
-    JSD(beta) itself tends to 0 at both ends, hence the two KLs there."""
+    TRL's convention (beta 0 forward, 1 reverse; M weights T by beta); JSD(beta) -> 0 at both ends, hence the KLs."""
     up = lambda x: x.to(torch.promote_types(x.dtype, torch.float32))  # noqa: E731  (bf16 in fp32; fp64 stays)
     s = torch.log_softmax(up(student_logits) / temperature, -1)
     t = torch.log_softmax(up(teacher_logits) / temperature, -1)
@@ -79,9 +75,8 @@ def clip_bound(x, like):
 
 
 def sampled_kl_loss(logprobs, old_logprobs, teacher_logprobs, action_mask, eps_clip=0.2):
-    """The sampled-token form: each sampled token's reward r_t = -(log pi_old(y_t) - log pi_teacher(y_t)) (minus the
-    per-token reverse KL estimate; no sum over later tokens, no critic), as a clipped policy gradient, mean over the
-    completion tokens [B, T]:
+    """Each sampled token's reward r_t = -(log pi_old(y_t) - log pi_teacher(y_t)) (minus the per-token reverse KL
+    estimate; no sum over later tokens, no critic), as a clipped policy gradient, mean over `action_mask` [B, T]:
         -min(ratio_t r_t, clip(ratio_t, 1 - eps, 1 + eps) r_t),   ratio_t = pi(y_t) / pi_old(y_t)
     At one update per rollout (ratio 1) its gradient is that of the reverse KL's per-token sample estimate."""
     reward = (teacher_logprobs - old_logprobs).detach()
@@ -148,7 +143,8 @@ def load_prompt_sets(args, tokenizer):
         common.fail(f"--rollout_batch_size {args.rollout_batch_size} must split over {world} processes, and its "
                     f"{args.rollout_batch_size} x 1 samples into --train_batch_size {args.train_batch_size}")
     prompts = load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples, args.dataset_probs)
-    eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args) if args.eval_dataset else []
+    eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args, args.max_eval_samples) \
+        if args.eval_dataset else []
     if len(prompts) < args.rollout_batch_size:
         common.fail(f"{args.dataset}: {len(prompts)} usable prompts, fewer than --rollout_batch_size "
                     f"{args.rollout_batch_size}")
@@ -289,13 +285,10 @@ def tokenize_sample(record, tokenizer, args):
 
 def dataset_rollout(records, tokenizer, args):
     """The dataset's completions (--output_key, kept as each record's label) as a Rollout: the off-policy share,
-    tokenized as sft.py trains them (tokenize_sample: the tokens the whole text has there, through the stop token),
-    at most --generate_max_len of them."""
+    tokenized as sft.py trains them (tokenize_sample: through the stop token), at most --generate_max_len of them."""
     as_sample = argparse.Namespace(**{**vars(args), "input_key": "input", "output_key": "label"})
-    responses = []
-    for r in records:
-        ids, labels = tokenize_sample(r, tokenizer, as_sample)
-        responses.append(ids[labels != -100][:args.generate_max_len])
+    samples = [tokenize_sample(r, tokenizer, as_sample) for r in records]
+    responses = [ids[labels != -100][:args.generate_max_len] for ids, labels in samples]
     return Rollout.of(records, tokenizer.eos_token_id, responses)
 
 
@@ -463,6 +456,7 @@ def add_training_args(p: argparse.ArgumentParser):
     a("--eval_dataset", default=None, help="held-out data, same formats (default: toy test split)")
     a("--eval_split", default="test")
     a("--max_samples", type=ranged(int, 1), default=None, help="use at most this many training samples")
+    a("--max_eval_samples", type=ranged(int, 1), default=None, help="use at most this many eval samples")
     a("--max_len", type=ranged(int, 1), default=512, help="truncate sequences to this many tokens")
     a("--input_key", default="input")
     a("--apply_chat_template", action="store_true", help="wrap inputs with the tokenizer's chat template")

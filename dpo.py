@@ -395,6 +395,7 @@ def add_training_args(p: argparse.ArgumentParser):
     a("--eval_dataset", default=None, help="held-out data, same formats (default: toy test split)")
     a("--eval_split", default="test")
     a("--max_samples", type=ranged(int, 1), default=None, help="use at most this many training samples")
+    a("--max_eval_samples", type=ranged(int, 1), default=None, help="use at most this many eval samples")
     a("--max_len", type=ranged(int, 1), default=512, help="truncate sequences to this many tokens")
     a("--input_key", default="input")
     a("--apply_chat_template", action="store_true", help="wrap inputs with the tokenizer's chat template")
@@ -526,8 +527,8 @@ def main():
     tokenizer = common.load_tokenizer(args.pretrain, args)
     pad_id = tokenizer.pad_token_id
     train, _ = load_pairs(args.dataset, args.dataset_split, tokenizer, args, args.max_samples, args.dataset_probs)
-    eval_pairs, eval_answers = load_pairs(args.eval_dataset, args.eval_split, tokenizer, args) \
-        if args.eval_dataset else ([], [])
+    eval_pairs, eval_answers = load_pairs(args.eval_dataset, args.eval_split, tokenizer, args,
+                                          args.max_eval_samples) if args.eval_dataset else ([], [])
     if len(train) < args.train_batch_size:
         common.fail(f"{args.dataset}: {len(train)} pairs, fewer than --train_batch_size {args.train_batch_size}")
     total_steps = len(train) // args.train_batch_size * args.max_epochs  # a step: one optimizer step

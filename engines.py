@@ -78,10 +78,9 @@ def vllm_sampling(eos_id, temperature, top_p, max_tokens):
 
 
 class VLLMHost:
-    """A vLLM engine in this process (the trainer's, or a Ray actor's). It starts on dummy weights and is
-    handed the policy's as tensors, so it never rereads the checkpoint and tokens added to the vocabulary
-    just work. `memory`: the GPU share unless --vllm_gpu_memory_utilization gives one; `backend`: vLLM's
-    distributed_executor_backend."""
+    """A vLLM engine in this process (the trainer's, or a Ray actor's). It starts on dummy weights and is handed the
+    policy's as tensors, so it never rereads the checkpoint and tokens added to the vocabulary just work. `memory`: the
+    GPU share unless --vllm_gpu_memory_utilization gives one; `backend`: vLLM's distributed_executor_backend."""
 
     def __init__(self, args, vocab_size, tied_embeddings, seed, memory, backend=None):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: weights handed over as tensors
@@ -410,8 +409,7 @@ class RayEngines:
         import ray
 
         specs = [(name, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for name, p in engine_params(model)]
-        received = [e.receive_weights.remote(specs, version) for e in self.engines] if self.group is not None \
-            else []
+        received = [e.receive_weights.remote(specs, version) for e in self.engines] if self.group is not None else []
         for _, tensor in merged_weights(model, self.args.zero_stage == 3):
             if self.group is not None:
                 self.group.broadcast(tensor.contiguous(), 0).wait()

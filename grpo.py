@@ -8,14 +8,13 @@ completions per prompt, score them, and move the policy toward the better ones w
         --n_samples_per_prompt 8 --rollout_batch_size 128 --train_batch_size 256 --generate_max_len 1024 \\
         --vllm --zero_stage 3 --bf16 --actor_learning_rate 1e-6
 
-One step: --n_samples_per_prompt completions of each of --rollout_batch_size prompts (HF generate, or vLLM with
---vllm), scored, turned into advantages by group statistics (group_advantages), then --max_epochs passes of
-clipped-surrogate updates in batches of --train_batch_size. Rewards: --remote_rm_url, an http(s) /get_reward URL
-(OpenRLHF's API) or a .py file defining reward_func(queries, prompts, labels), your own code run in this process (the
-contract: reward_client); or --reward_pretrain, a sequence classifier (rm.py's output, sharing the policy's tokenizer)
-read at EOS, or a process reward model (prm.py's) whose step scores --prm_reduce reduces. With --process_rewards the
-advantages come from per-step scores (process_advantages, DeepSeekMath's process supervision): a PRM's, or
-step_rewards from the reward file or server (the contract: process_rewards.py).
+One step: --n_samples_per_prompt completions of each of --rollout_batch_size prompts, scored, turned into advantages by
+group statistics (group_advantages), then --max_epochs passes of clipped-surrogate updates in batches of
+--train_batch_size. Rewards: --remote_rm_url, an http(s) /get_reward URL (OpenRLHF's API) or a .py file defining
+reward_func, your own code run in this process (the contract: reward_client); or --reward_pretrain, a sequence
+classifier (rm.py's, sharing the policy's tokenizer) read at EOS, or a process reward model (prm.py's) whose step scores
+--prm_reduce reduces. With --process_rewards, advantages come from step scores (process_advantages, DeepSeekMath's
+process supervision): a PRM's, or step_rewards from the reward file or server (the contract: process_rewards.py).
 
 Implementation details, each where it happens: dropout off (common.disable_dropout), prompts left-padded for
 generation and a group's prompt prefilled once (generate_hf), the response cut at its EOS (generate_hf,
@@ -50,27 +49,24 @@ TOY_REWARD = str(Path(__file__).resolve().parent / "toy.py")  # its reward_func 
 # ------------------------------------------------------------------------------------------------ math
 def group_advantages(rewards, group_size, estimator, eps=1e-6, std_norm=True):
     """One advantage per sample from the rewards [N] of consecutive groups of `group_size` (a prompt's completions):
-      group_norm          (r - group mean) / (group std + eps), unbiased std      GRPO
+      group_norm          (r - group mean) / (group std + eps), unbiased std      GRPO (--no_advantage_std_norm: no std)
       dr_grpo             r - group mean                                           Dr. GRPO (no std)
       rloo                r - mean of the other samples of the group               RLOO
       reinforce_baseline  r - group mean (whitened over the batch by the caller)   REINFORCE++-baseline
-      reinforce           r (per-token KL reward and batch whitening by the caller) REINFORCE++
-    std_norm=False (--no_advantage_std_norm) leaves group_norm as r - group mean."""
+      reinforce           r (per-token KL reward and batch whitening by the caller) REINFORCE++"""
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.reshape(-1, group_size)
     centered = r - r.mean(-1, keepdim=True)
     if estimator == "group_norm" and std_norm:
-        adv = centered / (r.std(-1, keepdim=True) + eps)  # a group of one: NaN
-    elif estimator in ("group_norm", "dr_grpo", "reinforce_baseline"):
-        adv = centered
-    elif estimator == "rloo":
-        adv = r - (r.sum(-1, keepdim=True) - r) / (group_size - 1)
-    elif estimator == "reinforce":
-        adv = r
-    else:
-        raise ValueError(f"unknown advantage estimator {estimator!r}: use one of {', '.join(ESTIMATORS)}")
-    return adv.flatten()
+        return (centered / (r.std(-1, keepdim=True) + eps)).flatten()  # a group of one: NaN
+    if estimator in ("group_norm", "dr_grpo", "reinforce_baseline"):
+        return centered.flatten()
+    if estimator == "rloo":
+        return (r - (r.sum(-1, keepdim=True) - r) / (group_size - 1)).flatten()
+    if estimator == "reinforce":
+        return r.flatten()
+    raise ValueError(f"unknown advantage estimator {estimator!r}: use one of {', '.join(ESTIMATORS)}")
 
 
 def process_advantages(step_rewards, step_ends, group_size, eps=1e-6):
@@ -99,8 +95,7 @@ def token_advantages(advantages, kl, action_mask, kl_coef):
 
 
 def importance_ratio(logprobs, old_logprobs, action_mask=None, level="token"):
-    """pi / pi_old per response token [B, T]; level "sequence" (GSPO): one ratio per sequence, exp of the mean of
-    logprobs - old_logprobs over its response tokens (the gradient flowing through the mean)."""
+    """pi / pi_old [B, T]; level "sequence" (GSPO): exp(mean log-ratio over the sequence), gradient through the mean."""
     log_ratio = logprobs - old_logprobs
     if level == "sequence":
         if action_mask is None:
@@ -122,14 +117,13 @@ def clipped_surrogate(ratio, advantages, eps_clip_low=0.2, eps_clip_high=0.2, du
     unclipped = ratio if delta is None else ratio.clamp(max=clip_bound(delta, ratio))
     clipped = ratio.clamp(clip_bound(1 - eps_clip_low, ratio), clip_bound(1 + eps_clip_high, ratio))
     loss = -torch.min(unclipped * advantages, clipped * advantages)
-    if dual_clip is not None:
+    if dual_clip is not None:  # a negative advantage's loss capped at dual_clip * |A|
         loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
     return loss
 
 
 def cispo_loss(ratio, advantages, logprobs, eps_clip_high=0.2):
-    """CISPO (MiniMax-M1) per token: -sg(min(ratio, 1 + eps_clip_high)) * A * logprobs: the importance weight is
-    clipped and stopped, so every token keeps its gradient."""
+    """CISPO (MiniMax-M1) per token, -sg(min(ratio, 1 + eps_clip_high)) * A * logprobs: no token loses its gradient."""
     return -ratio.clamp(max=clip_bound(1 + eps_clip_high, ratio)).detach() * advantages * logprobs
 
 
@@ -152,10 +146,10 @@ def token_policy_loss(logprobs, old_logprobs, advantages, action_mask=None, eps_
     ratio = importance_ratio(logprobs, old_logprobs, action_mask, importance_sampling_level)
     if policy_loss_type not in POLICY_LOSSES:
         raise ValueError(f"unknown policy_loss_type {policy_loss_type!r}: use one of {', '.join(POLICY_LOSSES)}")
-    if policy_loss_type != "ppo" and (dual_clip is not None or delta is not None):
-        raise ValueError(f"dual_clip and delta cap the ppo surrogate, not {policy_loss_type}'s loss")
     if policy_loss_type == "ppo":
         loss = clipped_surrogate(ratio, advantages, eps_clip_low, eps_clip_high, dual_clip, delta)
+    elif dual_clip is not None or delta is not None:
+        raise ValueError(f"dual_clip and delta cap the ppo surrogate, not {policy_loss_type}'s loss")
     elif policy_loss_type == "cispo":
         loss = cispo_loss(ratio, advantages, logprobs, eps_clip_high)
     else:
@@ -164,9 +158,8 @@ def token_policy_loss(logprobs, old_logprobs, advantages, action_mask=None, eps_
         if rollout_logprobs is None or action_mask is None:
             raise ValueError("rollout_correction needs rollout_logprobs and action_mask")
         import engines  # the correction exists only where an engine samples (engines.py)
-        weights, _ = engines.rollout_correction_weights(old_logprobs, rollout_logprobs, action_mask,
-                                                        rollout_correction, rollout_correction_bounds)
-        loss = loss * weights
+        loss = loss * engines.rollout_correction_weights(old_logprobs, rollout_logprobs, action_mask,
+                                                         rollout_correction, rollout_correction_bounds)[0]
     if ref_logprobs is not None and kl_coef:
         kl = common.approx_kl(logprobs, ref_logprobs, "k3")
         loss = loss + kl_coef * (kl * ratio if kl_ratio_weighted else kl)
@@ -212,7 +205,8 @@ def loss_family(args):
 # ------------------------------------------------------------------------------------------- rollout
 def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
     """RL prompts -> {"ids": the prompt's tokens as generation sees them, "text", "label": the --label_key value,
-    "input": the --input_key value as in the dataset}; prompts over --prompt_max_len are dropped (and counted)."""
+    "input": the --input_key value as in the dataset, "record": the whole record (--agent_server's rollout gets it)};
+    prompts over --prompt_max_len are dropped (and counted)."""
     keys = [args.input_key] + ([args.label_key] if args.label_key else [])
     records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed, text_keys=keys[:1])
     out = []
@@ -221,7 +215,7 @@ def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
         ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
         if len(ids) <= args.prompt_max_len:
             out.append({"ids": torch.tensor(ids), "text": text, "label": r[args.label_key] if args.label_key else None,
-                        "input": r[args.input_key]})
+                        "input": r[args.input_key], "record": r})
     if not out:
         fail(f"{source}: no prompt fits in --prompt_max_len {args.prompt_max_len}")
     if len(out) < len(records) and common.is_rank0():
@@ -238,7 +232,8 @@ def load_prompt_sets(args, tokenizer, samples_per_prompt):
              f"{args.rollout_batch_size} x {samples_per_prompt} samples into --train_batch_size "
              f"{args.train_batch_size}")
     prompts = load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples, args.dataset_probs)
-    eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args) if args.eval_dataset else []
+    eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args, args.max_eval_samples) \
+        if args.eval_dataset else []
     if len(prompts) < args.rollout_batch_size:
         fail(f"{args.dataset}: {len(prompts)} usable prompts, fewer than --rollout_batch_size "
              f"{args.rollout_batch_size}")
@@ -848,6 +843,7 @@ def add_training_args(p: argparse.ArgumentParser):
     a("--eval_dataset", default=None, help="held-out data, same formats (default: toy test split)")
     a("--eval_split", default="test")
     a("--max_samples", type=ranged(int, 1), default=None, help="use at most this many training samples")
+    a("--max_eval_samples", type=ranged(int, 1), default=None, help="use at most this many eval samples")
     a("--max_len", type=ranged(int, 1), default=512, help="truncate sequences to this many tokens")
     a("--input_key", default="input")
     a("--apply_chat_template", action="store_true", help="wrap inputs with the tokenizer's chat template")

@@ -6,10 +6,9 @@ TRL's OnlineDPOTrainer). The DPO loss is a copy of dpo.py's, the rollout of grpo
     deepspeed --num_gpus 8 online_dpo.py --pretrain ckpt/sft --dataset prompts.jsonl --input_key prompt \\
         --apply_chat_template --reward_pretrain ckpt/rm --vllm --zero_stage 3 --bf16 --learning_rate 5e-7
 
-Samples come from HF generate, or vLLM with --vllm / --ray; scores from --reward_pretrain or --remote_rm_url (a
-/get_reward server or a reward_func file: your own code, run in this process). A tie (equal scores, or the same
-completion twice) says nothing and is dropped (counted). The reference is --ref_pretrain, by default the starting
-policy; with --lora_rank the policy itself with its adapters off.
+Samples: HF generate, or vLLM (--vllm / --ray). Scores: --reward_pretrain or --remote_rm_url (a /get_reward server or a
+reward_func file: your own code, run in this process). A tie (equal scores, or the same completion twice) says nothing:
+dropped (counted). The reference: --ref_pretrain, else the starting policy (--lora_rank: the policy, adapters off).
 """
 
 import argparse
@@ -89,7 +88,8 @@ def load_prompt_sets(args, tokenizer):
         common.fail(f"--rollout_batch_size {args.rollout_batch_size} must split over {world} processes, and its "
                     f"{args.rollout_batch_size} x 1 samples into --train_batch_size {args.train_batch_size}")
     prompts = load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples, args.dataset_probs)
-    eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args) if args.eval_dataset else []
+    eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args, args.max_eval_samples) \
+        if args.eval_dataset else []
     if len(prompts) < args.rollout_batch_size:
         common.fail(f"{args.dataset}: {len(prompts)} usable prompts, fewer than --rollout_batch_size "
                     f"{args.rollout_batch_size}")
@@ -198,8 +198,7 @@ def generate_hf(model, tokenizer, prompts, temperature, top_p=1.0, max_new_token
 def rank_pairs(batch, scores):
     """A Rollout of two samples per prompt and their scores [2N] -> (prompt, chosen, rejected) pairs, chosen the
     higher, their scores [P, 2], and the ties (the same score or completion: no preference, not trained on)."""
-    pairs, pair_scores, ties = [], [], []
-    samples = batch.pairs()  # (prompt, response)
+    samples, pairs, pair_scores, ties = batch.pairs(), [], [], []  # samples: (prompt, response)
     for i in range(0, len(samples), 2):
         first, second = (i, i + 1) if scores[i] >= scores[i + 1] else (i + 1, i)
         triple = (samples[i][0], samples[first][1], samples[second][1])
@@ -542,6 +541,7 @@ def add_training_args(p: argparse.ArgumentParser):
     a("--eval_dataset", default=None, help="held-out data, same formats (default: toy test split)")
     a("--eval_split", default="test")
     a("--max_samples", type=ranged(int, 1), default=None, help="use at most this many training samples")
+    a("--max_eval_samples", type=ranged(int, 1), default=None, help="use at most this many eval samples")
     a("--max_len", type=ranged(int, 1), default=512, help="truncate sequences to this many tokens")
     a("--input_key", default="input")
     a("--apply_chat_template", action="store_true", help="wrap inputs with the tokenizer's chat template")

@@ -1,6 +1,5 @@
 """PPO with a critic, the classic RLHF recipe: sample, score with a reward model, penalise drift from the
-starting policy token by token, estimate advantages with GAE from a learned value function, and update
-actor and critic with clipped losses.
+starting policy token by token, estimate GAE advantages from a critic, and update actor and critic with clipped losses.
 
     python ppo.py --pretrain runs/sft_start --reward_pretrain runs/rm        # toy world
     python ppo.py --pretrain runs/sft_start --reward_pretrain runs/rm --vllm # rollouts from in-process vLLM
@@ -8,20 +7,18 @@ actor and critic with clipped losses.
         --input_key prompt --apply_chat_template --zero_stage 3 --bf16 --vllm --normalize_reward \\
         --actor_learning_rate 5e-7 --critic_learning_rate 9e-6 --init_kl_coef 0.01 --generate_max_len 1024
 
-Every process holds actor, critic, reference and reward model (colocated) and generates its share of the rollout
-(HF generate, or an in-process vLLM engine with --vllm); with --ray, --vllm_num_engines vLLM engines (Ray actors on
-other GPUs or nodes) generate, and trainer rank 0 broadcasts the new weights to them after every update. Rewards:
---reward_pretrain (a sequence classifier such as rm.py's, read at EOS) or --remote_rm_url (an http(s) /get_reward URL
-or a reward_func .py file: your own code; the contract: reward_client); --eval_reward_func scores eval completions
-with a rule beside it (the toy task's correctness). With --process_rewards each reasoning step's score (a prm.py
-model's, or step_rewards from the reward file or server; process_rewards.py) is a reward on the token that ends the
-step (Math-Shepherd's step-by-step PPO).
+Every process holds actor, critic, reference and reward model (colocated) and generates its share of the rollout (HF
+generate, or an in-process vLLM engine with --vllm); with --ray, --vllm_num_engines vLLM engines (Ray actors on other
+GPUs or nodes) generate, and trainer rank 0 sends them the new weights after every update. Rewards: --reward_pretrain (a
+sequence classifier such as rm.py's, read at EOS) or --remote_rm_url (an http(s) /get_reward URL or a reward_func .py
+file: your own code; the contract: reward_client); --eval_reward_func scores eval completions with a rule beside it (the
+toy task's correctness). With --process_rewards each step's score (a prm.py model's, or step_rewards from the reward
+file or server; process_rewards.py) is a reward on the token that ends the step (Math-Shepherd's step-by-step PPO).
 
 Implementation details (open-instruct, "The N+ Implementation Details of RLHF"), each where it happens: dropout off
-(common.disable_dropout), prompts left-padded for generation (generate_hf), the response cut at its EOS (generate_hf,
-engines.vllm_sampling), a fixed reward for completions without EOS (score, --non_stop_penalty), the value head
-initialised small from a causal LM (init_value_head), the reward at EOS and the KL penalty on every response token
-(kl_penalized_rewards), advantages whitened.
+(common.disable_dropout), prompts left-padded (generate_hf), responses cut at EOS (generate_hf, engines.vllm_sampling),
+--non_stop_penalty for completions without EOS (score), a new value head initialised small (init_value_head), the reward
+at EOS and a KL penalty on every response token (kl_penalized_rewards), advantages whitened.
 """
 
 import argparse
@@ -48,17 +45,15 @@ def kl_penalized_rewards(scores, kl, action_mask, kl_coef):
     """Per-token rewards [B, T]: -kl_coef * kl on every response token (0 on padding), plus each row's
     scalar score [B] at its last response token. Rows may be padded on either side."""
     mask = action_mask.to(kl.dtype)
-    rewards = -kl_coef * kl * mask
     last = mask.size(1) - 1 - mask.flip(-1).argmax(-1)  # the last 1 of each row
-    return rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
+    return (-kl_coef * kl * mask).scatter_add(1, last[:, None], scores[:, None].to(kl.dtype))
 
 
 def compute_gae(rewards, values, action_mask, gamma, lam, skip=None):
-    """Generalised advantage estimation over the response tokens, right to left:
-        delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1}
-    with V and A 0 past a sequence's end; returns = A + V; 0 on padding. A position outside the mask ends a sequence
-    (so a packed row works too), except where `skip` [B, T] is set (an agent's environment tokens in an episode): those
-    are stepped over, t + 1 being the next action token, as if the feedback were not there."""
+    """GAE, right to left:  delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1}
+    over the response tokens, with V and A 0 past a sequence's end; returns = A + V; 0 on padding. A position outside
+    the mask ends a sequence (so a packed row works too), except where `skip` [B, T] is set (an agent's environment
+    tokens): those are stepped over, t + 1 being the next action token, as if the feedback were not there."""
     mask = action_mask.to(values.dtype)
     skip = torch.zeros_like(action_mask, dtype=torch.bool) if skip is None else skip.bool()
     advantages = torch.zeros_like(values)
@@ -97,26 +92,25 @@ def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip=0.2, d
 
 
 def value_loss(values, old_values, returns, action_mask, value_clip=0.2):
-    """0.5 * mean over response tokens of max((v_clipped - R)^2, (v - R)^2), where v_clipped moves at
-    most value_clip from the rollout's value (value_clip None: plain squared error)."""
+    """0.5 * masked mean of max((v_clipped - R)^2, (v - R)^2), v clipped to old_values +- value_clip (None: no clip)."""
     loss = (values - returns) ** 2
     if value_clip is not None:
         step = clip_bound(value_clip, values)
-        clipped = old_values + (values - old_values).clamp(-step, step)
-        loss = torch.max(loss, (clipped - returns) ** 2)
+        loss = torch.max(loss, (old_values + (values - old_values).clamp(-step, step) - returns) ** 2)
     return 0.5 * common.masked_mean(torch.where(action_mask.bool(), loss, 0.0), action_mask)
 
 
 def adaptive_kl_coef(kl_coef, kl, target, horizon, n_samples):
     """Ziegler et al.'s controller: nudge the coefficient so the measured KL drifts toward the target."""
-    error = min(max(kl / target - 1, -0.2), 0.2)
+    error = min(max(kl / target - 1, -0.2), 0.2)  # the KL's relative miss, clipped to +-20%
     return kl_coef * (1 + error * n_samples / horizon)
 
 
 # ------------------------------------------------------------------------------------------- rollout
 def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
     """RL prompts -> {"ids": the prompt's tokens as generation sees them, "text", "label": the --label_key value,
-    "input": the --input_key value as in the dataset}; prompts over --prompt_max_len are dropped (and counted)."""
+    "input": the --input_key value as in the dataset, "record": the whole record (--agent_server's rollout gets it)};
+    prompts over --prompt_max_len are dropped (and counted)."""
     keys = [args.input_key] + ([args.label_key] if args.label_key else [])
     records = common.load_records(source, split, keys, max_samples, probs=probs, seed=args.seed, text_keys=keys[:1])
     out = []
@@ -125,7 +119,7 @@ def load_prompts(source, split, tokenizer, args, max_samples=None, probs=None):
         ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
         if len(ids) <= args.prompt_max_len:
             out.append({"ids": torch.tensor(ids), "text": text, "label": r[args.label_key] if args.label_key else None,
-                        "input": r[args.input_key]})
+                        "input": r[args.input_key], "record": r})
     if not out:
         fail(f"{source}: no prompt fits in --prompt_max_len {args.prompt_max_len}")
     if len(out) < len(records) and common.is_rank0():
@@ -142,7 +136,8 @@ def load_prompt_sets(args, tokenizer, samples_per_prompt):
              f"{args.rollout_batch_size} x {samples_per_prompt} samples into --train_batch_size "
              f"{args.train_batch_size}")
     prompts = load_prompts(args.dataset, args.dataset_split, tokenizer, args, args.max_samples, args.dataset_probs)
-    eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args) if args.eval_dataset else []
+    eval_prompts = load_prompts(args.eval_dataset, args.eval_split, tokenizer, args, args.max_eval_samples) \
+        if args.eval_dataset else []
     if len(prompts) < args.rollout_batch_size:
         fail(f"{args.dataset}: {len(prompts)} usable prompts, fewer than --rollout_batch_size "
              f"{args.rollout_batch_size}")
@@ -332,8 +327,7 @@ def generate_hf(model, tokenizer, prompts, temperature, top_p=1.0, max_new_token
 
 @torch.no_grad()
 def per_token(fn, batch, chunk_size):
-    """fn(a chunk of the rollout's (prompt, response) pairs) -> [b, T] per response token, for the whole rollout in
-    chunks of `chunk_size`: [N, R] on the CPU, 0 on padding."""
+    """fn(`chunk_size` of the rollout's pairs) -> [b, T], over the whole rollout: [N, R] on the CPU, 0 on padding."""
     pairs, out = batch.pairs(), None
     for i in range(0, len(pairs), chunk_size):
         x = fn(pairs[i:i + chunk_size]).cpu()
@@ -552,8 +546,7 @@ def score(batch, reward_fn, args):
 
 # ---------------------------------------------------------------------------------------------- eval
 def eval_rewards(reward_fn, eval_fn, tokenizer):
-    """evaluate's per_sample: the reward as trained on and its logs, and with eval_fn (--eval_reward_func: a rule,
-    e.g. the toy task's correctness) that reward as rule_reward with its extra logs."""
+    """evaluate's per_sample: reward and its logs, and with eval_fn (--eval_reward_func) rule_reward and its logs."""
     def per_sample(batch):
         out = reward_fn(batch)
         metrics = {"reward": out["rewards"], **out["logs"]}
@@ -640,8 +633,7 @@ def critic_step(critic, pairs, old_values, returns, action_mask, pad_id, packing
 
 
 def init_value_head(critic, path, args):
-    """A critic started from a causal LM has a fresh `score` layer: small init, std 1/sqrt(H+1), so
-    the first values are near 0. One started from a reward model keeps its trained head."""
+    """A causal LM's new `score` layer: small init, so the first values are near 0 (a reward model's head is kept)."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
     if not any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
         with deepspeed.zero.GatheredParameters([critic.score.weight], modifier_rank=0, enabled=args.zero_stage == 3):
@@ -657,16 +649,14 @@ def load_actor(args, tokenizer, cfg, num_training_steps):
 
 
 def load_critic(args, tokenizer, cfg, num_training_steps):
-    """The critic: a one-output classifier from --critic_pretrain (default: the reward model, else the actor), dropout
-    off, init_value_head, DeepSpeed at --critic_learning_rate."""
+    """The critic: a one-output classifier from --critic_pretrain (default: the reward model, else the actor)."""
     path = args.critic_pretrain or args.reward_pretrain or args.pretrain
     model = common.load_model(path, args, tokenizer, cfg, model_class=AutoModelForSequenceClassification,
                               new_head=True, num_labels=1,  # (a head init_value_head starts, on a causal LM only)
                               head_hint="a critic starts from a reward model (rm.py's) or a causal LM (its head new)")
     common.disable_dropout(model)
     init_value_head(model, path, args)
-    return setup_deepspeed(model, args, cfg, num_training_steps, learning_rate=args.critic_learning_rate,
-                           name="critic")
+    return setup_deepspeed(model, args, cfg, num_training_steps, learning_rate=args.critic_learning_rate, name="critic")
 
 
 # ----------------------------------------------------------------------------------- model and DeepSpeed
@@ -752,6 +742,7 @@ def add_training_args(p: argparse.ArgumentParser):
     a("--eval_dataset", default=None, help="held-out data, same formats (default: toy test split)")
     a("--eval_split", default="test")
     a("--max_samples", type=ranged(int, 1), default=None, help="use at most this many training samples")
+    a("--max_eval_samples", type=ranged(int, 1), default=None, help="use at most this many eval samples")
     a("--max_len", type=ranged(int, 1), default=512, help="truncate sequences to this many tokens")
     a("--input_key", default="input")
     a("--apply_chat_template", action="store_true", help="wrap inputs with the tokenizer's chat template")

@@ -348,6 +348,7 @@ def add_training_args(p: argparse.ArgumentParser):
     a("--eval_dataset", default=None, help="held-out data, same formats (default: toy test split)")
     a("--eval_split", default="test")
     a("--max_samples", type=ranged(int, 1), default=None, help="use at most this many training samples")
+    a("--max_eval_samples", type=ranged(int, 1), default=None, help="use at most this many eval samples")
     a("--max_len", type=ranged(int, 1), default=512, help="truncate sequences to this many tokens")
     a("--input_key", default="input")
     a("--apply_chat_template", action="store_true", help="wrap inputs with the tokenizer's chat template")
@@ -447,7 +448,7 @@ def main():
     if len(train) < args.train_batch_size:
         common.fail(f"{args.dataset}: {len(train)} usable samples, fewer than --train_batch_size "
                     f"{args.train_batch_size}")
-    eval_data = tokenize(args.eval_dataset, args.eval_split) if args.eval_dataset else []
+    eval_data = tokenize(args.eval_dataset, args.eval_split, args.max_eval_samples) if args.eval_dataset else []
 
     # 2. model and DeepSpeed engine, resumed with --load_checkpoint
     cfg = ds_config(args)

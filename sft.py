@@ -28,7 +28,8 @@ def sft_loss(logits, labels):
     logits [B, T, V]; labels [B, T] hold the token id where the loss applies (the response) and -100
     elsewhere (prompt, padding). Position t predicts token t+1, hence the shift. In a packed row the
     shift crosses sequence boundaries, which is harmless: every sequence starts with a -100 label.
-    The reference form (and public API): sft.py trains with sft_loss_chunked, the same number without the logits.
+    The reference form (and public API): sft.py trains with sft_loss_chunked, the same number without the logits;
+    a change to the loss goes in both (tests/test_chunked_loss.py holds them equal).
     """
     logits, targets = logits[:, :-1], labels[:, 1:]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logits: CE in fp32
@@ -36,11 +37,71 @@ def sft_loss(logits, labels):
 
 
 def sft_loss_chunked(model, hidden, labels):
-    """sft_loss(model's logits, labels) without the [B, T, V] logits: the final hidden states [B, T, H] of the
-    positions that predict a label go through the output layer a chunk at a time (common.token_nll_sum)."""
+    """sft_loss(model's logits, labels), what sft.py trains with, without the [B, T, V] logits: the final hidden
+    states [B, T, H] of the positions that predict a label (common.forward_hidden) go through the output layer a chunk
+    of tokens at a time (token_nll_sum)."""
     targets = labels[:, 1:]
     at = targets != -100
-    return common.token_nll_sum(model, hidden[:, :-1][at], targets[at]) / at.sum()
+    return token_nll_sum(model, hidden[:, :-1][at], targets[at]) / at.sum()
+
+
+def token_nll_sum(model, hidden, tokens):
+    """-sum_i log softmax(logits_i)[tokens_i] over `tokens` [N], from their final hidden states [N, H]: LinearNLL
+    where the output layer is a plain matrix W, else (LoRA or a bias on it, ZeRO-3 partitions, a family's logit
+    scaling: common.output_layer knows them) common.token_logprobs, whose chunks make their logits again in backward.
+    An eval needs no gradient: token_logprobs alone."""
+    inner = common.unwrap(model)
+    head, cfg = inner.get_output_embeddings(), inner.config.get_text_config()
+    fused = type(head) is torch.nn.Linear and head.bias is None and not hasattr(head.weight, "ds_id") and not any(
+        getattr(cfg, k, None) for k in common.LOGIT_SCALING)
+    if fused and torch.is_grad_enabled() and hidden.requires_grad:
+        return LinearNLL.apply(hidden, head.weight, tokens)
+    logprobs, _ = common.token_logprobs(model, hidden, tokens)
+    return -logprobs.sum()
+
+
+class LinearNLL(torch.autograd.Function):
+    """The fused linear cross-entropy (Liger Kernel's and TRL's), written out. For each chunk of tokens (rows):
+
+        x = hidden @ W.T                              [C, V] logits: the only ones that exist at a time
+        loss += sum over rows of logsumexp(x) - x[token]          (-log softmax(x)[token])
+        dloss/dx = softmax(x) - onehot(token)
+        dloss/dhidden = dx @ W,  dloss/dW += dx.T @ hidden
+
+    The loss ends the graph, so its gradient is known in forward: forward takes it and drops the chunk's logits, and
+    backward only scales it by the gradient coming in. One [C, V] matmul a chunk fewer than making the logits again
+    in backward, and no logits kept. The softmax runs in fp32 at least.
+    A change to the loss goes in the lines marked (1) and (2), in sft_loss (the reference it is tested against) and in
+    token_nll_sum's other way, which reads only each token's log-prob (common.token_logprobs): label smoothing eps
+    makes (1) (1 - eps) * (lse - x[token]) + eps * (lse - x.mean(-1)) and (2) softmax(x) - (1 - eps) * onehot -
+    eps / V, and needs the whole distribution there too (or refuse that way); a weight w_i per token scales token i's
+    term in (1) and its gradient row after (2), and sft_loss_chunked then divides by sum(w), not the token count."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens):
+        loss = hidden.new_zeros((), dtype=torch.promote_types(weight.dtype, torch.float32))
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # None: a frozen head (LoRA)
+        rows = common.chunk_rows(weight.shape[0])
+        for h, t, gh in zip(hidden.split(rows), tokens.split(rows), grad_hidden.split(rows)):
+            x = (h @ weight.T).to(loss.dtype)
+            lse = x.logsumexp(-1)
+            at = torch.arange(len(t), device=t.device)
+            loss += (lse - x[at, t]).sum()  # (1)
+            grad = x.sub_(lse[:, None]).exp_()  # softmax(x), in place of the logits
+            grad[at, t] -= 1  # (2)
+            grad = grad.to(h.dtype)
+            gh.copy_(grad @ weight)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.T, h)  # in the weight's dtype per chunk, as Liger's
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = lambda g: None if g is None else g * grad_loss.to(g.dtype)  # noqa: E731
+        return scale(grad_hidden), scale(grad_weight), None
 
 
 def tokenize_sample(record, tokenizer, args):
@@ -174,7 +235,7 @@ def evaluate(engine, data, records, tokenizer, args):
         hidden, _ = common.forward_hidden(model, dict(input_ids=ids, attention_mask=mask, position_ids=pos))
         targets = labels[:, 1:].to(engine.device)
         at = targets != -100  # on every rank, fillers too (ZeRO-3's gathers): their sum is 0
-        loss_sum += common.token_nll_sum(model, hidden[:, :-1][at], targets[at]).item()
+        loss_sum += token_nll_sum(model, hidden[:, :-1][at], targets[at]).item()
         tokens += at.sum().item()
     correct, total = 0, 0
     for batch, real in eval_shard(records[:max(args.eval_generate_samples, 0)], args.micro_train_batch_size):
@@ -266,6 +327,7 @@ def add_training_args(p: argparse.ArgumentParser):
     a("--eval_dataset", default=None, help="held-out data, same formats (default: toy test split)")
     a("--eval_split", default="test")
     a("--max_samples", type=ranged(int, 1), default=None, help="use at most this many training samples")
+    a("--max_eval_samples", type=ranged(int, 1), default=None, help="use at most this many eval samples")
     a("--max_len", type=ranged(int, 1), default=512, help="truncate sequences to this many tokens")
     a("--input_key", default="input")
     a("--apply_chat_template", action="store_true", help="wrap inputs with the tokenizer's chat template")
@@ -369,8 +431,8 @@ def main():
     if len(train) < args.train_batch_size:
         common.fail(f"{args.dataset}: {len(train)} usable samples, fewer than --train_batch_size "
                     f"{args.train_batch_size}")
-    eval_records = common.load_records(args.eval_dataset, args.eval_split, keys, hint=hint, text_keys=keys) \
-        if args.eval_dataset else []
+    eval_records = common.load_records(args.eval_dataset, args.eval_split, keys, args.max_eval_samples, hint=hint,
+                                       text_keys=keys) if args.eval_dataset else []
     eval_data = [s for s in (tokenize_sample(r, tokenizer, args) for r in eval_records) if s is not None]
 
     # 3. model and DeepSpeed engine, resumed with --load_checkpoint

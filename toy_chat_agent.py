@@ -12,8 +12,9 @@ reward 1 if it is the sum, else 0.
 
 toy_world/plain_chat.jinja writes the turns' contents one after another, each reply closed by EOS: what the toy policy
 was trained on (runs/sft_tool), so each episode is the one toy_agent.py gives, one sample, token for token. `rollout`
-gets an openai.AsyncOpenAI client for the trainer's endpoint (the model is named "policy") and the record
-{"prompt", "label"}; it returns the reward, or a dict with "reward" and other numbers to log (means).
+gets an openai.AsyncOpenAI client for the trainer's endpoint (the model is named "policy") and the dataset record
+(every field the file has, with "prompt" and "label" added); it returns the reward, or a dict with "reward" and other
+numbers to log (means).
 """
 
 

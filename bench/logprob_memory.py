@@ -18,7 +18,7 @@ forward pass, the log-probs' chunks recomputed in backward), for 16,384 tokens a
 3. The passes, each today and now:
    sft       forward + backward of the SFT loss. today: model(...).logits, then today_sft_loss, a verbatim copy of
              HEAD's sft.sft_loss (the [B, T, V] logits shifted, upcast, cross_entropy). now: common.forward_hidden,
-             then sft.sft_loss_chunked (common.token_nll_sum's LinearNLL over the labelled positions).
+             then sft.sft_loss_chunked (sft.token_nll_sum's LinearNLL over the labelled positions).
    rl train  forward + backward of the sum of the response log-probs, called as grpo.actor_step calls it (entropy as
              a metric, without a graph, the --entropy_loss_coef 0 default). today: today_response_logprobs, a
              verbatim copy of HEAD's common.response_logprobs and its helpers (the logits of every response row
@@ -133,7 +133,7 @@ def today_chunk_logprobs(logits, tokens, temperature, with_entropy, entropy_grad
 # ------------------------------------------------------------------------------ now: common's functions
 def now_sft_loss(model, ids, mask, pos, labels):
     """"now": sft.py's loss after issue 52, sft.sft_loss_chunked itself (common.forward_hidden, then
-    common.token_nll_sum: LinearNLL, the gradient taken chunk by chunk in the forward pass)."""
+    sft.token_nll_sum: LinearNLL, the gradient taken chunk by chunk in the forward pass)."""
     hidden, out = common.forward_hidden(model, dict(input_ids=ids, attention_mask=mask, position_ids=pos,
                                                     use_cache=False))
     return sft.sft_loss_chunked(model, hidden, labels)
@@ -331,6 +331,63 @@ def one_pass(kind, vocab, opts, out):
     return 0 if "oom_gb" in now_there else seqs
 
 
+SFT_RUN = ["--input_key", "input", "--output_key", "output", "--max_len", "256", "--train_batch_size", "8",
+           "--micro_train_batch_size", "8", "--max_samples", "16", "--max_epochs", "1", "--learning_rate", "1e-4"]
+
+
+def sft_runs(opts):
+    """sft.py as a user runs it, 2 steps of a micro-batch of 8 samples of ~250 tokens (~1,650 of them labelled, what
+    the output layer reads), on a random 2-layer hidden-64 Llama at each vocabulary (the toy tokenizer: its ids are the
+    model's first ones), each run in a
+    process of its own: its peak RSS (eval_results.json's peak_rss_mb) and wall time, with the output layer's chunks
+    sized by the vocabulary (common.chunk_rows, now) and at 1,024 rows whatever the vocabulary (before issue 66:
+    common.CHUNK_LOGITS set past any vocabulary). The figure to read: how much the peak grows from the first
+    vocabulary to the last."""
+    import random
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    import toy
+
+    tokenizer = AutoTokenizer.from_pretrained(toy.ensure_toy_world() / "model")
+    rng = random.Random(0)
+    sums = lambda n: " ".join(f"{rng.randrange(100):02d}+{rng.randrange(100):02d}" for _ in range(n))  # noqa: E731
+    peaks = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data.jsonl"
+        data.write_text("".join(json.dumps({"input": sums(7), "output": sums(34)}) + "\n" for _ in range(16)))
+        records = [json.loads(line) for line in data.read_text().splitlines()]
+        lengths = [len(tokenizer(r["input"] + r["output"])["input_ids"]) for r in records]
+        labelled = sum(len(tokenizer(r["output"])["input_ids"]) for r in records[:8])
+        print(f"sft.py, 2 steps of 8 samples ({min(lengths)}-{max(lengths)} tokens, ~{labelled:,} labelled a step), a "
+              f"random Llama (2 layers, hidden "
+              f"64), fp32, load average {os.getloadavg()[0]:.1f}\n{'vocabulary':>10s} {'chunks':>28s} "
+              f"{'peak RSS MB':>11s} {'wall s':>7s}", flush=True)
+        for vocab in map(int, opts.vocabs.split(",")):
+            model = Path(tmp) / f"llama{vocab}"
+            torch.manual_seed(0)
+            LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model)
+            tokenizer.save_pretrained(model)
+            for name, budget in (("sized by the vocabulary", "common.CHUNK_LOGITS"), ("1,024 rows", "10**15")):
+                out = Path(tmp) / f"out{vocab}{budget[:2]}"
+                code = (f"import common, runpy, sys; common.CHUNK_LOGITS = {budget}; sys.argv = ['sft.py'] + "
+                        f"sys.argv[1:]; runpy.run_path('sft.py', run_name='__main__')")
+                t0 = time.time()
+                proc = subprocess.run([sys.executable, "-c", code, "--pretrain", str(model), "--dataset", str(data),
+                                       *SFT_RUN, "--save_path", str(out)], cwd=ROOT, capture_output=True, text=True)
+                if proc.returncode:
+                    sys.exit(f"sft.py failed at vocabulary {vocab}:\n{proc.stderr[-3000:]}")
+                peaks[vocab, name] = json.loads((out / "eval_results.json").read_text())["peak_rss_mb"]
+                rows = common.chunk_rows(vocab) if budget.startswith("common") else 1024
+                print(f"{vocab:>10,} {f'{name} ({rows})':>28s} {peaks[vocab, name]:>11,.0f} {time.time() - t0:>7.1f}",
+                      flush=True)
+    vocabs = [int(v) for v in opts.vocabs.split(",")]
+    first, last = vocabs[0], vocabs[-1]
+    for name in ("sized by the vocabulary", "1,024 rows"):
+        print(f"growth {first:,} -> {last:,}, chunks {name}: {peaks[last, name] - peaks[first, name]:,.0f} MB")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bf16", action="store_true", help="bf16 weights and logits, as on GPUs (default: fp32)")
@@ -347,9 +404,13 @@ def main():
     p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     p.add_argument("--all_seqs", type=int, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--sft_runs", action="store_true", help="sft.py's own runs instead (issue 66's case): peak RSS "
+                   "at each vocabulary, with chunks sized by the vocabulary and with 1,024 rows whatever it is")
     opts = p.parse_args()
     if opts.impl:
         return measure(opts)
+    if opts.sft_runs:
+        return sft_runs(opts)
     dtype, tokens = "bf16" if opts.bf16 else "fp32", opts.seqs * opts.seq_len
     labelled = opts.seqs * (opts.seq_len - opts.prompt_len)
     print(f"{opts.seqs} sequences x {opts.seq_len} tokens = {tokens:,} tokens, each {opts.prompt_len} prompt / "
@@ -361,8 +422,9 @@ def main():
     checks = []
     with tempfile.TemporaryDirectory() as out:
         for vocab in map(int, opts.vocabs.split(",")):
+            rows = common.chunk_rows(vocab)
             print(f"\nvocabulary {vocab:,}: one [{tokens:,} x V] fp32 tensor is {tokens * vocab * 4 / 2**20:,.0f} MB, "
-                  f"one chunk of {common.LOGPROB_CHUNK} rows {common.LOGPROB_CHUNK * vocab * 4 / 2**20:,.0f} MB")
+                  f"one chunk of {rows} rows {rows * vocab * 4 / 2**20:,.0f} MB")
             print(f"{'':9s} {'':7s} {'peak MB over the baseline':>43s} | {'wall s':^22s} | {'CPU s':^22s}\n"
                   f"{'pass':9s} {'tokens':>7s} {'today':>25s} {'now':>7s} {'today/now':>9s}"
                   f" | {'today':>7s} {'now':>7s} {'t/n':>6s} | {'today':>7s} {'now':>7s} {'t/n':>6s} n")

@@ -175,6 +175,33 @@ async def rollout(client, record):
 '''
 
 
+# The reward is made of fields the dataset has beyond the prompt and the label; the rollout changes its record.
+WHOLE_RECORD = '''
+async def rollout(client, record):
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": record["prompt"]}])
+    assert (record["prompt"], record["label"]) == (record["question"], record["answer"])
+    record["tags"].append("seen")
+    return record["meta"]["weight"] + len(record["tags"])
+'''
+
+
+@pytest.mark.parametrize("script", [grpo, ppo])
+def test_rollout_gets_the_whole_record(plain, tmp_path, script):
+    """rollout(client, record) gets the record as the file has it, every field (nested ones too), with "prompt" (the
+    --input_key value) and "label" (the --label_key value) added, through the script's own load_prompts; a copy of
+    its own, so what a rollout changes in it reaches no other episode, nor the next step's."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+45=", "answer": str(a + 45), "meta": {"weight": w},
+                                        "tags": ["x"] * t}) + "\n" for a, w, t in [(10, 2.5, 2), (20, -1.0, 0)]))
+    args = argparse.Namespace(input_key="question", label_key="answer", apply_chat_template=True,
+                              input_template=None, prompt_max_len=64, seed=0)
+    prompts = script.load_prompts(str(data), "train", plain, args)
+    engine = agent_server.ChatAgentEngine(Scripted(plain, ["55"]), server_args(agent_file(tmp_path, WHOLE_RECORD),
+                                                                                tmp_path), plain)
+    for _ in range(2):
+        assert engine.sample(prompts + prompts, 1.0)["agent_rewards"]["rewards"].tolist() == [5.5, 0.0] * 2
+
+
 def test_calls_of_many_episodes_share_rounds_and_budgets(plain, tmp_path):
     """Three episodes: their first calls go to the engine in one round, their second in another; a sample gets
     --generate_max_len tokens after its first prompt, so a call continuing it gets what is left, and one with none
@@ -343,8 +370,11 @@ def test_unknown_fields_are_ignored_and_a_template_error_is_a_400(endpoint, toke
 
 # ---------------------------------------------------------------------------------------- episodes' limits
 LEAKY = '''
+from pathlib import Path
+
+
 async def rollout(client, record):
-    record["label"].append(str(client.base_url))
+    Path(record["label"]).write_text(str(client.base_url))
     await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": record["prompt"]}])
     return 1.0
 '''
@@ -353,11 +383,11 @@ async def rollout(client, record):
 def test_an_ended_episode_and_calls_past_max_turns_are_refused(plain, tmp_path):
     """A client kept past its episode's end gets a 409; with --max_turns 1 the second call of TWO_CALLS is refused
     (409): its rollout raises, and the episode ends truncated with reward 0 instead of stopping the run."""
-    tokenizer, leaked = plain, []
+    tokenizer, leaked = plain, tmp_path / "leaked_url"
     path = agent_file(tmp_path, LEAKY, "leaky.py")
     engine = agent_server.ChatAgentEngine(Scripted(tokenizer, ["1"]), server_args(path, tmp_path), tokenizer)
-    engine.sample(records(("1+1=", leaked)), 1.0)
-    client = openai.AsyncOpenAI(base_url=leaked[0], api_key="none", max_retries=0)
+    engine.sample(records(("1+1=", str(leaked))), 1.0)
+    client = openai.AsyncOpenAI(base_url=leaked.read_text(), api_key="none", max_retries=0)
     with pytest.raises(openai.ConflictError, match="this episode has ended"):
         asyncio.run(client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}]))
     engine = agent_server.ChatAgentEngine(Scripted(tokenizer, ["1", "2"]), server_args(

@@ -124,14 +124,14 @@ def test_async_batches_are_at_most_n_versions_old(policy, tmp_path):
         diff = max((torch.tensor(lp, dtype=torch.float64) - logprobs_under(model, p, r, 0.8)).abs().max().item()
                    for p, r, lp in zip(batch["prompts"], batch["responses"], batch["engine_logprobs"]))
         assert diff <= 1e-4, (t, v, diff)  # the engine had exactly the weights of the version it reported
-        # and not the next version's, where the update changed the weights (a step whose groups all scored
-        # alike has zero advantages: no gradient, the same weights)
-        if v + 1 in sent and max((sent[v + 1][k] - sent[v][k]).abs().max().item() for k in sent[v]) > 1e-5:
+        # and not the next version's, where the update moved these log-probs past 1e-3 (a step whose groups all
+        # scored alike has zero advantages, and a small one hardly moves them: those two versions cannot be told
+        # apart here), at least twice
+        if v + 1 in sent:
             model.load_state_dict(sent[v + 1])
             newer = max((torch.tensor(lp, dtype=torch.float64) - logprobs_under(model, p, r, 0.8)).abs().max().item()
                         for p, r, lp in zip(batch["prompts"], batch["responses"], batch["engine_logprobs"]))
-            assert newer > 1e-3, (t, v, newer)
-            told_apart += 1
+            told_apart += newer > 1e-3
     assert told_apart >= 2
 
 

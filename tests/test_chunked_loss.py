@@ -72,11 +72,11 @@ def plain_logprobs(model, prompt, response, temperature=1.0):
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("name", MODELS)
 def test_sft_loss_chunked_matches_float64(checkpoints, name, packed, chunk, fused, monkeypatch):
-    """Both of common.token_nll_sum's ways: LinearNLL (a plain output matrix, its gradient taken in forward), and
+    """Both of sft.token_nll_sum's ways: LinearNLL (a plain output matrix, its gradient taken in forward), and
     token_logprobs (the way of a ZeRO-3 partitioned, LoRA or soft-capped output layer)."""
     monkeypatch.setattr(common, "LOGPROB_CHUNK", chunk)
     if not fused:
-        monkeypatch.setattr(common.LinearNLL, "apply", lambda hidden, weight, tokens: -common.token_logprobs(
+        monkeypatch.setattr(sft.LinearNLL, "apply", lambda hidden, weight, tokens: -common.token_logprobs(
             model, hidden, tokens)[0].sum())
     model = load(checkpoints[name], "packed_sdpa" if packed else "sdpa")
     pairs, pad = encode(checkpoints[name])
@@ -226,6 +226,7 @@ import sys
 import torch
 sys.path.insert(0, sys.argv[1])
 import common
+import sft
 import deepspeed
 from transformers import AutoModelForCausalLM
 
@@ -249,7 +250,7 @@ for step in range(2):  # rank 0: 3 tokens (2 chunks); rank 1: 9 tokens (5 chunks
     ids = torch.arange(5, 5 + n)[None]
     hidden, _ = common.forward_hidden(engine, dict(input_ids=ids))
     logp, _ = common.token_logprobs(engine, hidden[0, :-1], ids[0, 1:])
-    loss = common.token_nll_sum(engine, hidden[0, :-1], ids[0, 1:])
+    loss = sft.token_nll_sum(engine, hidden[0, :-1], ids[0, 1:])
     if step == 0:  # the weights the reference has
         with torch.no_grad():
             want = torch.log_softmax(reference(ids).logits[0, :-1], -1)[torch.arange(n - 1), ids[0, 1:]]
@@ -266,7 +267,7 @@ if sys.argv[3] == "trained":  # SFT-like steps whose token counts change (the sa
             invalidations.clear()
         ids = torch.arange(5, 5 + n)[None]
         hidden, _ = common.forward_hidden(engine, dict(input_ids=ids))
-        engine.backward(common.token_nll_sum(engine, hidden[0, :-1], ids[0, 1:]))
+        engine.backward(sft.token_nll_sum(engine, hidden[0, :-1], ids[0, 1:]))
         engine.step()
     print(f"rank {rank}: {len(invalidations)} trace invalidations", flush=True)
 print(f"rank {rank}: {len(reductions)} chunk-count reductions", flush=True)
@@ -308,7 +309,7 @@ def test_ranks_padding_empty_chunks_change_nothing(checkpoints, monkeypatch):
         logp, entropy, _ = common.response_logprobs(model, pairs, pad, False, with_entropy=True)
         gkd, _, _, _ = distill.gkd_loss(model, teacher, pairs, pad, False, vocab, 0.5, 1.0)
         hidden, _ = common.forward_hidden(model, dict(input_ids=torch.cat(pairs[0])[None]))
-        nll = common.token_nll_sum(model, hidden[0, :-1], torch.cat(pairs[0])[1:])
+        nll = sft.token_nll_sum(model, hidden[0, :-1], torch.cat(pairs[0])[1:])
         return [logp, entropy, gkd, nll], grads(model, logp.sum() + entropy.sum() + gkd + nll)
 
     plain, plain_grads = run()
@@ -349,6 +350,38 @@ def test_zero3_chunk_counts_kept_per_kind(checkpoints, monkeypatch):
     assert chunks(1, False) == [1, 0, 0, 0, 0]
 
 
+def test_chunks_are_sized_by_the_vocabulary():
+    """common.chunk_rows: 1,024 tokens a chunk up to a 32k vocabulary (the toy's runs unchanged), fewer past it so a
+    chunk's logits stay within CHUNK_LOGITS, never under 128. A 152k-vocabulary output layer is called on chunks of
+    220 rows, and the log-probs and sft's fused loss are float64's, values and gradients."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    assert [common.chunk_rows(v) for v in (101, 32000, 32768)] == [1024] * 3
+    for vocab in (49152, 151936, 256000):
+        rows = common.chunk_rows(vocab)
+        assert 128 <= rows < 1024 and rows * vocab <= common.CHUNK_LOGITS < (rows + 1) * vocab
+    assert common.chunk_rows(10**6) == 128
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False))
+    calls = []
+    model.lm_head.register_forward_hook(lambda module, args, out: calls.append(len(args[0])))
+    hidden, tokens = torch.randn(260, 16, requires_grad=True), torch.randint(151936, (260,))
+    logp, _ = common.token_logprobs(model, hidden, tokens)
+    assert calls == [220, 40]
+    h64 = hidden.detach().double().requires_grad_()
+    want = torch.log_softmax(h64 @ model.lm_head.weight.double().T, -1)[torch.arange(260), tokens]
+    want_grad, = torch.autograd.grad(want.sum(), h64)
+    torch.testing.assert_close(logp.double(), want.detach(), atol=1e-5, rtol=0)
+    got_grad, = torch.autograd.grad(logp.sum(), hidden)
+    torch.testing.assert_close(got_grad.double(), want_grad, atol=1e-5, rtol=0)
+    nll = sft.token_nll_sum(model, hidden, tokens)
+    assert "LinearNLL" in type(nll.grad_fn).__name__
+    torch.testing.assert_close(nll.double(), -want.detach().sum(), atol=0, rtol=1e-6)
+    got_grad, = torch.autograd.grad(nll, hidden)
+    torch.testing.assert_close(got_grad.double(), -want_grad, atol=1e-5, rtol=0)
+
+
 def test_fused_nll_in_bf16_and_with_a_frozen_head(checkpoints):
     """LinearNLL as a GPU runs it (bf16 weights and hidden states; the softmax in fp32) against float64, and with the
     output layer frozen (LoRA) no weight gradient at all, the same hidden-state gradient."""
@@ -361,13 +394,13 @@ def test_fused_nll_in_bf16_and_with_a_frozen_head(checkpoints):
     want_h, = torch.autograd.grad(-torch.log_softmax((hidden.requires_grad_() @ head.T), -1)[torch.arange(50), tokens]
                                   .sum(), hidden)
     h16, w16 = hidden.detach().bfloat16().requires_grad_(), head.bfloat16().requires_grad_()
-    loss = common.LinearNLL.apply(h16, w16, tokens)
+    loss = sft.LinearNLL.apply(h16, w16, tokens)
     loss.backward()
     assert loss.dtype == torch.float32 and abs(loss.item() - want.item()) < 1e-2 * abs(want.item())
     assert (h16.grad.double() - want_h).abs().max() < 2e-2 * want_h.abs().max() and w16.grad is not None
     frozen = head.clone().requires_grad_(False)
     h = hidden.detach().requires_grad_()
-    common.LinearNLL.apply(h, frozen, tokens).backward()
+    sft.LinearNLL.apply(h, frozen, tokens).backward()
     assert frozen.grad is None
     torch.testing.assert_close(h.grad, want_h, atol=1e-10, rtol=0)
 

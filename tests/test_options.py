@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,10 +25,10 @@ from test_e2e import stock_rm_eval, stock_sft_eval
 
 SCRIPTS = ("sft.py", "rm.py", "prm.py", "ppo.py", "grpo.py", "dpo.py", "online_dpo.py", "distill.py")
 EVERYWHERE = ["--lora_rank", "--lora_alpha", "--lora_dropout", "--target_modules", "--load_in_4bit", "--dataset",
-              "--dataset_probs", "--eval_dataset", "--max_samples", "--tokenizer_chat_template", "--learning_rate",
-              "--adam_betas", "--l2", "--lr_scheduler", "--lr_warmup_ratio", "--max_norm", "--max_epochs",
-              "--overlap_comm", "--use_liger_kernel", "--torch_compile", "--logging_steps", "--eval_steps",
-              "--save_steps", "--use_tensorboard", "--use_wandb"]
+              "--dataset_probs", "--eval_dataset", "--max_samples", "--max_eval_samples", "--tokenizer_chat_template",
+              "--learning_rate", "--adam_betas", "--l2", "--lr_scheduler", "--lr_warmup_ratio", "--max_norm",
+              "--max_epochs", "--overlap_comm", "--use_liger_kernel", "--torch_compile", "--logging_steps",
+              "--eval_steps", "--save_steps", "--use_tensorboard", "--use_wandb"]
 ONLY = {"--pretrain_mode": ("sft.py",),
         "--aux_loss_coef": ("sft.py", "prm.py", "ppo.py", "grpo.py", "dpo.py", "online_dpo.py"),
         **{o: ("ppo.py", "grpo.py") for o in ("--eval_n_samples_per_prompt", "--eval_temperature",
@@ -134,12 +135,14 @@ def test_liger_kernel_names_only_what_is_missing(monkeypatch):
     """With the package and Triton made to look installed, --use_liger_kernel's one line names the GPU alone."""
     import importlib.util
 
+    import kernels
+
     find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: find("json" if name in ("liger_kernel", "triton")
                                                                          else name))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as stop:
-        common.use_liger_kernel(None)
+        kernels.use_liger_kernel(None)
     assert str(stop.value).startswith("error: --use_liger_kernel: this machine lacks a CUDA GPU (")
 
 
@@ -192,6 +195,32 @@ def test_a_run_says_which_defaults_it_took_and_why(toy_world, tmp_path, script):
             assert (f"--{flag}", str(toy_value)) in toy_pairs  # (paths are the session's toy world's)
         if real_value is not None and flag != "dataset":
             assert (f"--{flag}", str(real_value)) in real_pairs
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_max_eval_samples_cuts_the_eval_data_alone(toy_world, tmp_path, script, monkeypatch):
+    """--max_eval_samples 7: a script reads the first 7 records of its eval data, and its training data whole (the
+    toy world's defaults; the run is stopped once both are read)."""
+    load, read = common.load_records, []
+
+    def spy(source, *args, **kwargs):
+        got = load(source, *args, **kwargs)
+        read.append((Path(source).name, got[0] if kwargs.get("with_locations") else got))
+        if len(read) == 2:
+            raise SystemExit("read")
+        return got
+
+    monkeypatch.setattr(common, "load_records", spy)
+    judge = {"ppo.py": ["--remote_rm_url", ROOT / "toy.py"], "online_dpo.py": ["--remote_rm_url", ROOT / "toy.py"],
+             "distill.py": ["--teacher_pretrain", toy_world / "model"]}.get(script, [])
+    proc = run_main(script, *judge, "--max_eval_samples", 7, "--save_path", tmp_path / "out", check=False)
+    assert proc.returncode == 1 and proc.stderr.rstrip().endswith("read"), proc.stderr[-2000:]
+    (train_name, train), (eval_name, evals) = read
+    toy = __import__(script[:-3]).DEFAULTS
+    assert (train_name, eval_name) == (Path(toy["dataset"][1]).name, Path(toy["eval_dataset"][1]).name)
+    assert len(train) == len(load(toy_world / train_name, max_samples=toy["max_samples"][1]
+                                  if "max_samples" in toy else None)) > 7
+    assert evals == load(toy_world / eval_name)[:7]
 
 
 def test_lora_sft_trains_merges_and_follows_its_schedule(policy, toy_world, tmp_path):
@@ -442,19 +471,21 @@ def test_tokenizer_chat_template_replaces_the_tokenizers(toy_world, tmp_path):
 
 def test_bf16_on_a_cpu_that_emulates_it_warns_once_with_its_cost(monkeypatch, capsys, tmp_path):
     """--bf16 on a CPU without bf16 matmul instructions (AVX2 only: ~100x slower than fp32) gets one warning line
-    from every script (common.parse_args) and from serve_rm, with the measured cost; bf16 stays on, as asked."""
+    from every script (common.parse_args, kernels.warn_if_slow_bf16) and from serve_rm, with the measured cost; bf16
+    stays on, as asked."""
     import argparse
 
+    import kernels
     import serve_rm
 
     cpuinfo = tmp_path / "cpuinfo"
     for flags, native in [("flags\t\t: fpu sse2 avx avx2 fma", False), ("flags\t\t: avx2 avx512f avx512_bf16", True),
                           ("flags\t\t: avx2 amx_bf16 amx_tile", True), ("Features\t: fp asimd bf16 i8mm", True)]:
         cpuinfo.write_text(f"processor\t: 0\n{flags}\n")
-        assert common.cpu_has_native_bf16(cpuinfo) is native
+        assert kernels.cpu_has_native_bf16(cpuinfo) is native
 
     def warnings(native, argv, entry):
-        monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: native)
+        monkeypatch.setattr(kernels, "cpu_has_native_bf16", lambda: native)
         monkeypatch.setattr(sys, "argv", ["x", *argv])
         capsys.readouterr()
         entry()
@@ -516,6 +547,7 @@ EXTREME_SCRIPTS = ("sft", "rm", "prm", "dpo", "grpo", "ppo", "online_dpo", "dist
 # agent_server.py are their own (tests/test_serve_rm.py, tests/test_agent_server.py)
 EXTREME_SAFE = {
     "max_samples": "caps the records read (a slice)",
+    "max_eval_samples": "caps the eval records read (a slice)",
     "max_len": "truncates or drops sequences (slices and comparisons)",
     "prompt_max_len": "drops longer prompts (a comparison)",
     "micro_train_batch_size": "a slice; must divide --train_batch_size (ds_config says so in one line)",

@@ -606,8 +606,8 @@ def main():
     common.quiet_libraries()  # no "Loading weights" bar
     args.apply_chat_template, args.top_p, args.flash_attn, args.load_in_4bit = True, 1.0, False, False
     if args.bf16:
-        import kernels  # --bf16 on a CPU: what emulated bf16 costs here
-        kernels.warn_if_slow_bf16()
+        import speedups  # --bf16 on a CPU: what emulated bf16 costs here
+        speedups.warn_if_slow_bf16()
     tokenizer = common.load_tokenizer(args.checkpoint, args)
     model = common.load_model(args.checkpoint, args, tokenizer, trainable=False,  # the training scripts' rules
                               device_map="cuda" if torch.cuda.is_available() else None).eval()

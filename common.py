@@ -2,7 +2,7 @@
 helpers, the real-checkpoint tokenizer and loading rules, reading records, the log-probs of response tokens, atomic
 saving / resume, logging. Each script holds the rest of its default path (its flags, batches, DeepSpeed set-up, loss);
 tests/test_copies.py compares the copies. What a flag adds is a module imported where the flag is handled: packing.py,
-lora.py, engines.py, agents.py, process_rewards.py, kernels.py, checkpoints.py, trackers.py. Importing this module sets
+lora.py, engines.py, agents.py, process_rewards.py, speedups.py, checkpoints.py, trackers.py. Importing this module sets
 one thing: DeepSpeed's accelerator on a machine without CUDA, which must precede DeepSpeed's import."""
 
 import argparse
@@ -107,8 +107,8 @@ def parse_args(parser, defaults):
         console.print(f"defaults: {'the toy world' if toy_run else 'a real run'}'s ({why}; a flag you give wins): "
                       f"{' '.join(taken) or 'none left to fill'}", markup=False)
     if args.bf16:
-        import kernels  # --bf16 on a CPU: what emulated bf16 costs here
-        kernels.warn_if_slow_bf16()
+        import speedups  # --bf16 on a CPU: what emulated bf16 costs here
+        speedups.warn_if_slow_bf16()
     if args.load_in_4bit:
         import lora
         lora.check_options(args)
@@ -341,8 +341,8 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
         attention = packing.register_packed_sdpa()
     kernel_flags = args.flash_attn or getattr(args, "use_liger_kernel", False) or getattr(args, "torch_compile", False)
     if kernel_flags:
-        import kernels  # --flash_attn, --use_liger_kernel, --torch_compile (before HfDeepSpeedConfig: a refusal
-        attention = kernels.before_load(args, zero3, attention)  # leaves no ZeRO-3 state behind)
+        import speedups  # --flash_attn, --use_liger_kernel, --torch_compile (before HfDeepSpeedConfig: a refusal
+        attention = speedups.before_load(args, zero3, attention)  # leaves no ZeRO-3 state behind)
     if zero3:
         _hf_ds_config = transformers.integrations.HfDeepSpeedConfig(ds_cfg)
     if args.load_in_4bit:
@@ -367,7 +367,7 @@ def load_model(path, args, tokenizer, ds_cfg=None, model_class=transformers.Auto
         generation.eos_token_id = [tokenizer.eos_token_id] + stops
         model.config.eos_token_id = tokenizer.eos_token_id
     if kernel_flags:
-        kernels.after_load(model, args, trainable)
+        speedups.after_load(model, args, trainable)
     if trainable and args.lora_rank:
         import lora
         model = lora.add_adapters(model, args)

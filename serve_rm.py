@@ -451,8 +451,8 @@ def main():
     args = p.parse_args()
     args.max_batch_tokens = args.max_batch_tokens or (16384 if torch.cuda.is_available() else 2048)
     if args.bf16:
-        import kernels  # --bf16 on a CPU: what emulated bf16 costs here
-        kernels.warn_if_slow_bf16()
+        import speedups  # --bf16 on a CPU: what emulated bf16 costs here
+        speedups.warn_if_slow_bf16()
     uvicorn.run(create_app(args), host=args.host, port=args.port, log_level="warning",
                 access_log=args.log_requests, timeout_graceful_shutdown=30)
 

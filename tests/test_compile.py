@@ -1,4 +1,4 @@
-"""--torch_compile (kernels.compile_layers) on the CPU, through inductor (which builds C++ with the machine's gcc): the
+"""--torch_compile (speedups.compile_layers) on the CPU, through inductor (which builds C++ with the machine's gcc): the
 compiled decoder layers give each sequence's eager logits in padded and packed rows of different lengths, with no new
 graph per length; generate (its KV cache runs the layers eager) gives the eager tokens; sft.py trains with it under
 ZeRO-2, packing and gradient checkpointing to the eager run's losses."""

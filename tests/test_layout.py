@@ -10,7 +10,8 @@ import pytest
 
 from conftest import ROOT
 
-OPTIONAL = ("engines", "agents", "agent_server", "packing", "lora", "process_rewards", "rollout")
+OPTIONAL = ("engines", "agents", "agent_server", "packing", "lora", "process_rewards", "speedups", "checkpoints",
+            "trackers", "rollout")
 SCRIPTS = ("sft.py", "rm.py", "prm.py", "dpo.py", "grpo.py", "ppo.py", "online_dpo.py", "distill.py", "make_pairs.py",
            "serve_rm.py", "merge_lora.py")
 # run a script in a fresh interpreter (or, with no flags, import the scripts named), then say which optional
@@ -58,10 +59,11 @@ def test_a_default_rl_run_loads_no_optional_module(toy_world, tmp_path, script, 
 
 
 def test_a_flag_loads_its_module(toy_world, tmp_path):
-    """The other side: the line that handles a flag imports its module (here --packing_samples and --lora_rank)."""
+    """The other side: the line that handles a flag imports its module (here --packing_samples, --lora_rank,
+    --save_steps and --use_tensorboard)."""
     out = loaded("sft.py", "--max_samples", 64, "--max_epochs", 1, "--packing_samples", "--lora_rank", 4,
-                 "--save_path", tmp_path / "run", cwd=tmp_path)
-    assert out == "loaded:packing,lora"
+                 "--save_steps", 1, "--use_tensorboard", tmp_path / "tb", "--save_path", tmp_path / "run", cwd=tmp_path)
+    assert out == "loaded:packing,lora,checkpoints,trackers"
 
 
 def test_generated_files_are_ignored_by_git():

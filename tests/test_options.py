@@ -135,14 +135,14 @@ def test_liger_kernel_names_only_what_is_missing(monkeypatch):
     """With the package and Triton made to look installed, --use_liger_kernel's one line names the GPU alone."""
     import importlib.util
 
-    import kernels
+    import speedups
 
     find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: find("json" if name in ("liger_kernel", "triton")
                                                                          else name))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as stop:
-        kernels.use_liger_kernel(None)
+        speedups.use_liger_kernel(None)
     assert str(stop.value).startswith("error: --use_liger_kernel: this machine lacks a CUDA GPU (")
 
 
@@ -471,21 +471,21 @@ def test_tokenizer_chat_template_replaces_the_tokenizers(toy_world, tmp_path):
 
 def test_bf16_on_a_cpu_that_emulates_it_warns_once_with_its_cost(monkeypatch, capsys, tmp_path):
     """--bf16 on a CPU without bf16 matmul instructions (AVX2 only: ~100x slower than fp32) gets one warning line
-    from every script (common.parse_args, kernels.warn_if_slow_bf16) and from serve_rm, with the measured cost; bf16
+    from every script (common.parse_args, speedups.warn_if_slow_bf16) and from serve_rm, with the measured cost; bf16
     stays on, as asked."""
     import argparse
 
-    import kernels
+    import speedups
     import serve_rm
 
     cpuinfo = tmp_path / "cpuinfo"
     for flags, native in [("flags\t\t: fpu sse2 avx avx2 fma", False), ("flags\t\t: avx2 avx512f avx512_bf16", True),
                           ("flags\t\t: avx2 amx_bf16 amx_tile", True), ("Features\t: fp asimd bf16 i8mm", True)]:
         cpuinfo.write_text(f"processor\t: 0\n{flags}\n")
-        assert kernels.cpu_has_native_bf16(cpuinfo) is native
+        assert speedups.cpu_has_native_bf16(cpuinfo) is native
 
     def warnings(native, argv, entry):
-        monkeypatch.setattr(kernels, "cpu_has_native_bf16", lambda: native)
+        monkeypatch.setattr(speedups, "cpu_has_native_bf16", lambda: native)
         monkeypatch.setattr(sys, "argv", ["x", *argv])
         capsys.readouterr()
         entry()

@@ -46,54 +46,66 @@ def sft_loss_chunked(model, hidden, labels):
 
 
 def token_nll_sum(model, hidden, tokens):
-    """-sum_i log softmax(logits_i)[tokens_i] over `tokens` [N], from their final hidden states [N, H]: LinearNLL
-    where the output layer is a plain matrix W, else (LoRA or a bias on it, ZeRO-3 partitions, a family's logit
-    scaling: common.output_layer knows them) common.token_logprobs, whose chunks make their logits again in backward.
-    An eval needs no gradient: token_logprobs alone."""
+    """-sum_i log softmax(logits_i)[tokens_i] over `tokens` [N], from their final hidden states [N, H]: linear_nll
+    where the output layer is a plain matrix W (in training through LinearNLL, its gradient taken in forward), else
+    (LoRA or a bias on it, ZeRO-3 partitions, a family's logit scaling: common.output_layer knows them)
+    common.token_logprobs, whose chunks make their logits again in backward."""
     inner = common.unwrap(model)
     head, cfg = inner.get_output_embeddings(), inner.config.get_text_config()
     fused = type(head) is torch.nn.Linear and head.bias is None and not hasattr(head.weight, "ds_id") and not any(
         getattr(cfg, k, None) for k in common.LOGIT_SCALING)
     if fused and torch.is_grad_enabled() and hidden.requires_grad:
         return LinearNLL.apply(hidden, head.weight, tokens)
+    if fused:  # an eval: the loss alone
+        return linear_nll(hidden, head.weight, tokens, grads=False)[0]
     logprobs, _ = common.token_logprobs(model, hidden, tokens)
     return -logprobs.sum()
 
 
-class LinearNLL(torch.autograd.Function):
-    """The fused linear cross-entropy (Liger Kernel's and TRL's), written out. For each chunk of tokens (rows):
+def linear_nll(hidden, weight, tokens, grads=True, weight_grad=True):
+    """The fused linear cross-entropy (Liger Kernel's and TRL's), written out -> (loss, dloss/dhidden, dloss/dW; the
+    gradients None without `grads`, dW None without `weight_grad`: a frozen head). For each chunk of tokens (rows):
 
         x = hidden @ W.T                              [C, V] logits: the only ones that exist at a time
         loss += sum over rows of logsumexp(x) - x[token]          (-log softmax(x)[token])
         dloss/dx = softmax(x) - onehot(token)
         dloss/dhidden = dx @ W,  dloss/dW += dx.T @ hidden
 
-    The loss ends the graph, so its gradient is known in forward: forward takes it and drops the chunk's logits, and
-    backward only scales it by the gradient coming in. One [C, V] matmul a chunk fewer than making the logits again
-    in backward, and no logits kept. The softmax runs in fp32 at least.
+    The loss ends the graph, so its gradient is known here (LinearNLL keeps it for backward) and the chunk's logits
+    are dropped: one [C, V] matmul a chunk fewer than making them again in backward. The softmax runs in fp32 at least.
     A change to the loss goes in the lines marked (1) and (2), in sft_loss (the reference it is tested against) and in
     token_nll_sum's other way, which reads only each token's log-prob (common.token_logprobs): label smoothing eps
     makes (1) (1 - eps) * (lse - x[token]) + eps * (lse - x.mean(-1)) and (2) softmax(x) - (1 - eps) * onehot -
     eps / V, and needs the whole distribution there too (or refuse that way); a weight w_i per token scales token i's
     term in (1) and its gradient row after (2), and sft_loss_chunked then divides by sum(w), not the token count."""
+    loss = hidden.new_zeros((), dtype=torch.promote_types(weight.dtype, torch.float32))
+    grad_hidden = torch.empty_like(hidden) if grads else None
+    grad_weight = torch.zeros_like(weight) if grads and weight_grad else None
+    rows = common.chunk_rows(weight.shape[0])
+    for start in range(0, len(tokens), rows):
+        h, t = hidden[start:start + rows], tokens[start:start + rows]
+        x = (h @ weight.T).to(loss.dtype)
+        lse = x.logsumexp(-1)
+        at = torch.arange(len(t), device=t.device)
+        loss += (lse - x[at, t]).sum()  # (1)
+        if not grads:
+            continue
+        grad = x.sub_(lse[:, None]).exp_()  # softmax(x), in place of the logits
+        grad[at, t] -= 1  # (2)
+        grad = grad.to(h.dtype)
+        grad_hidden[start:start + rows] = grad @ weight
+        if grad_weight is not None:
+            grad_weight.addmm_(grad.T, h)  # in the weight's dtype per chunk, as Liger's
+    return loss, grad_hidden, grad_weight
+
+
+class LinearNLL(torch.autograd.Function):
+    """linear_nll for autograd: forward takes the gradients with the loss, backward only scales them by the gradient
+    coming in."""
 
     @staticmethod
     def forward(ctx, hidden, weight, tokens):
-        loss = hidden.new_zeros((), dtype=torch.promote_types(weight.dtype, torch.float32))
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # None: a frozen head (LoRA)
-        rows = common.chunk_rows(weight.shape[0])
-        for h, t, gh in zip(hidden.split(rows), tokens.split(rows), grad_hidden.split(rows)):
-            x = (h @ weight.T).to(loss.dtype)
-            lse = x.logsumexp(-1)
-            at = torch.arange(len(t), device=t.device)
-            loss += (lse - x[at, t]).sum()  # (1)
-            grad = x.sub_(lse[:, None]).exp_()  # softmax(x), in place of the logits
-            grad[at, t] -= 1  # (2)
-            grad = grad.to(h.dtype)
-            gh.copy_(grad @ weight)
-            if grad_weight is not None:
-                grad_weight.addmm_(grad.T, h)  # in the weight's dtype per chunk, as Liger's
+        loss, grad_hidden, grad_weight = linear_nll(hidden, weight, tokens, weight_grad=ctx.needs_input_grad[1])
         ctx.save_for_backward(grad_hidden, grad_weight)
         return loss
 

@@ -380,6 +380,9 @@ def test_chunks_are_sized_by_the_vocabulary():
     torch.testing.assert_close(nll.double(), -want.detach().sum(), atol=0, rtol=1e-6)
     got_grad, = torch.autograd.grad(nll, hidden)
     torch.testing.assert_close(got_grad.double(), -want_grad, atol=1e-5, rtol=0)
+    with torch.no_grad():  # an eval: linear_nll's loss alone, no gradient taken
+        torch.testing.assert_close(sft.token_nll_sum(model, hidden, tokens).double(), -want.detach().sum(), atol=0,
+                                   rtol=1e-6)
 
 
 def test_fused_nll_in_bf16_and_with_a_frozen_head(checkpoints):

@@ -991,9 +991,8 @@ def check_rl_options(args):
         import agent_server
         agent_server.check_options(args)
     if args.async_steps and not args.ray:
-        fail("--async_steps needs --ray: the next batch is generated while this process trains, which needs "
-             "engines of their own (Ray actors); an in-process engine (--vllm) or HF generate shares the "
-             "trainer's devices")
+        fail("--async_steps needs --ray: the next batch is generated while this process trains, which needs engines "
+             "of their own (Ray actors); an in-process engine (--vllm) or HF generate shares the trainer's devices")
     if args.vllm or args.ray or args.rollout_correction not in ("auto", "none") or \
             args.rollout_correction_bounds is not None:  # the engine's sampling corrected toward the trainer's policy
         import engines
@@ -1049,16 +1048,14 @@ def parse_args():
         fail(f"--delta {args.delta} must be > 1 + --eps_clip_high ({1 + args.eps_clip_high})")
     if args.policy_loss_type != "sapo" and (args.tau_pos is not None or args.tau_neg is not None):
         fail("--tau_pos and --tau_neg are SAPO's: add --policy_loss_type sapo")
-    args.tau_pos = 1.0 if args.tau_pos is None else args.tau_pos
-    args.tau_neg = 1.05 if args.tau_neg is None else args.tau_neg
+    args.tau_pos, args.tau_neg = args.tau_pos or 1.0, args.tau_neg or 1.05  # SAPO's defaults (None: not given)
     if args.kl_ratio_weighted and not (args.use_kl_loss and args.init_kl_coef > 0):
         fail("--kl_ratio_weighted weights the KL loss: add --use_kl_loss and --init_kl_coef > 0")
     if args.overlong_buffer_len >= args.generate_max_len:
         fail(f"--overlong_buffer_len {args.overlong_buffer_len} must be below --generate_max_len "
              f"{args.generate_max_len}")
     if args.async_steps and args.dynamic_filtering:  # its extra rounds would wait on batches not yet allowed
-        fail("--dynamic_filtering draws as many batches as a step needs, --async_steps samples a fixed "
-             "number ahead: use one of them")
+        fail("--dynamic_filtering draws batches until a step is full, --async_steps a fixed number ahead: use one")
     check_rl_options(args)
     return args
 

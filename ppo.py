@@ -890,9 +890,8 @@ def check_rl_options(args):
         import agent_server
         agent_server.check_options(args)
     if args.async_steps and not args.ray:
-        fail("--async_steps needs --ray: the next batch is generated while this process trains, which needs "
-             "engines of their own (Ray actors); an in-process engine (--vllm) or HF generate shares the "
-             "trainer's devices")
+        fail("--async_steps needs --ray: the next batch is generated while this process trains, which needs engines "
+             "of their own (Ray actors); an in-process engine (--vllm) or HF generate shares the trainer's devices")
     if args.vllm or args.ray or args.rollout_correction not in ("auto", "none") or \
             args.rollout_correction_bounds is not None:  # the engine's sampling corrected toward the trainer's policy
         import engines
@@ -918,8 +917,7 @@ def parse_args():
     a("--kl_estimator", default="k1", choices=("k1", "k2", "k3"))
     a("--kl_target", type=ranged(float, 0, lo_open=True), default=None,
       help="adaptive KL: the KL per sequence to steer toward")
-    a("--kl_horizon", type=ranged(int, 1), default=10000,
-      help="adaptive KL: samples over which the coefficient adapts")
+    a("--kl_horizon", type=ranged(int, 1), default=10000, help="adaptive KL: samples over which the coefficient adapts")
     a("--gamma", type=ranged(float, 0, 1), default=1.0)
     a("--lambd", type=ranged(float, 0, 1), default=0.95, help="GAE lambda")
     a("--no_advantage_std_norm", action="store_true", help="center advantages without dividing by their std")

@@ -28,11 +28,10 @@ import deepspeed  # after common, which names DeepSpeed's accelerator first (els
 def prm_loss(logits, input_ids, labels, placeholder_token_id, reward_token_ids):
     """Cross-entropy over the reward tokens, at placeholder positions only; -> (loss, accuracy).
 
-    logits [B, T, V]; input_ids [B, T]; the positions judged are those where input_ids equals the
-    placeholder. Hard labels: `labels` [B, T] (integer) holds the reward token id there. Soft labels:
-    `labels` [B, T] (float) holds p, the probability of reward_token_ids[0]; the target is [p, 1 - p].
-    Mean over all placeholders in the batch; accuracy is the argmax match (soft: against p > 0.5).
-    """
+    logits [B, T, V]; input_ids [B, T]; the positions judged are those where input_ids equals the placeholder. Hard
+    labels: `labels` [B, T] (integer) holds the reward token id there. Soft labels: `labels` [B, T] (float) holds p,
+    the probability of reward_token_ids[0]; the target is [p, 1 - p]. Mean over all placeholders in the batch;
+    accuracy is the argmax match (soft: against p > 0.5)."""
     at = input_ids == placeholder_token_id
     step_logits = logits[at][:, reward_token_ids]  # [N, R]
     step_logits = step_logits.to(torch.promote_types(step_logits.dtype, torch.float32))

@@ -301,7 +301,7 @@ def main():
     keys = [k for k in (args.input_key, args.chosen_key, args.rejected_key, args.margin_key) if k]
     texts = [k for k in keys if k != args.margin_key]
 
-    def margin(record, where):
+    def read_margin(record, where):
         try:
             value = float(record[args.margin_key]) if args.margin_key else 0.0
         except (TypeError, ValueError):
@@ -312,7 +312,7 @@ def main():
 
     def tokenize(records, locations):
         return [(tokenize_response(r, args.chosen_key, tokenizer, args, where),
-                 tokenize_response(r, args.rejected_key, tokenizer, args, where), margin(r, where))
+                 tokenize_response(r, args.rejected_key, tokenizer, args, where), read_margin(r, where))
                 for r, where in zip(records, locations)]
 
     train = tokenize(*common.load_records(args.dataset, args.dataset_split, keys, args.max_samples,

@@ -14,8 +14,7 @@ API
                     {"messages": [[{"role": ..., "content": ...}, ...], ...]} (rendered with the model's chat
                     template). Reply: "rewards" and "scores" (the same floats, in request order; current OpenRLHF
                     clients read "scores", older ones "rewards"), "extra_logs" (OpenRLHF's "dummy_scores": the same
-                    again, which its trainer logs); with --rm_type prm also "step_rewards", each query's per-step
-                    probabilities.
+                    again, which its trainer logs); with --rm_type prm also "step_rewards" (per-step probabilities).
   GET /health       200 once the model is loaded, 503 before.
   GET /info         model, kind, max_len and batching limits.
 Bad requests get a 4xx naming the field (invalid JSON 400, auth 401, too large 413, bad fields 422), never a

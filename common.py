@@ -873,7 +873,7 @@ class Logger:
 
     def log(self, step, metrics, prefix="train"):
         if prefix == "train":  # the `timed` seconds, summed for run_times
-            self.totals = {k: v + metrics[k] for k, v in self.totals.items()}
+            self.totals = {k: v + metrics.get(k, 0.0) for k, v in self.totals.items()}
         if not self.rank0:
             return
         text = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())

@@ -175,9 +175,9 @@ class Rollout:
     stopped: torch.Tensor  # [N] bool: ended by EOS, not cut at --generate_max_len
 
     @classmethod
-    def of(cls, records, eos_id, responses, logprobs=None, version=None):
+    def of(cls, records, eos_id, responses, logprobs=None, version=None, idle_s=None):
         """From an engine's plain tensors, one 1-D tensor of token ids per sample: the one place a rollout is padded.
-        The engine's log-probs and weights' version go unused: the losses read the student's own."""
+        The engine's log-probs, weights' version and idle time go unused: the losses read the student's own."""
         lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
         padded = pad_sequence(list(responses), batch_first=True).long()
         stopped = torch.tensor([len(r) > 0 and r[-1].item() == eos_id for r in responses], dtype=torch.bool)

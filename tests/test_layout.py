@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT
 
 OPTIONAL = ("engines", "agents", "agent_server", "packing", "lora", "process_rewards", "speedups", "checkpoints",
-            "trackers", "rollout")
+            "trackers", "rollout", "partial_rollout")
 SCRIPTS = ("sft.py", "rm.py", "prm.py", "dpo.py", "grpo.py", "ppo.py", "online_dpo.py", "distill.py", "make_pairs.py",
            "serve_rm.py", "merge_lora.py")
 # run a script in a fresh interpreter (or, with no flags, import the scripts named), then say which optional

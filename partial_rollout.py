@@ -50,7 +50,7 @@ class Request:
 
 class InflightEngine(engines.RayEngine):
     """The Ray actor: one loop thread owns the vLLM engine and steps it while any request is unfinished, taking
-    commands (a batch's requests, new weights) between two steps. The actor is threaded (RayEngines.concurrency):
+    commands (a batch's requests, new weights) between two steps. The actor is threaded (InflightEngines.options):
     submit, collect and receive_weights run beside the loop, which alone touches vLLM."""
 
     def start(self):

@@ -299,18 +299,20 @@ def test_grpo_async_two_processes_zero3(policy, eval_file, tmp_path):
 
 
 def test_ppo_async(policy, eval_file, tmp_path):
-    """ppo.py --ray --async_steps 1 with a critic warm-up step: the first batches come from the starting
-    weights, later ones at most one actor update old; it trains, reports the accuracy HF measures, and leaves
+    """ppo.py --ray --async_steps 1 --partial_rollout (in-flight weight updates; the whole-batch producer is grpo's
+    tests' and shares all of ppo.py's code but that flag) with a critic warm-up step: the first batches come from the
+    starting weights, later ones at most one actor update old; it trains, reports the accuracy HF measures, and leaves
     no Ray process behind when it ends."""
     before_run = ray_processes()
     proc = run_script("ppo.py", "--max_samples", 64, "--rollout_batch_size", 16, "--train_batch_size", 16,
                       "--micro_train_batch_size", 16, "--logging_steps", 1, "--pretrain", policy, "--remote_rm_url",
-                      ROOT / "toy.py", "--eval_dataset", eval_file, "--ray", "--async_steps", 1,
+                      ROOT / "toy.py", "--eval_dataset", eval_file, "--ray", "--async_steps", 1, "--partial_rollout",
                       "--freezing_actor_steps", 1, "--actor_learning_rate", 1e-4, "--save_path", tmp_path / "p")
     log = proc.stdout + proc.stderr
     stale = [float(line.split(" staleness_max=")[1].split()[0]) for line in log.splitlines()
              if line.startswith("train step")]
     assert len(stale) == 4 and stale[:2] == [0, 0] and max(stale) == 1, stale  # steps 1-2: no actor update yet
+    assert len(logged(log, "tokens_age_1")) == 4 and len(logged(log, "engine_idle_s")) == 4
     assert results(tmp_path / "p")["eval_accuracy"] == stock_accuracy(tmp_path / "p", eval_file)
     before, after = weights(policy), weights(tmp_path / "p")
     assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-4

@@ -44,8 +44,17 @@ def start(args, model, tokenizer, version):
 
 
 def check_options(args):
-    """--vllm / --ray: the options that only make sense together (the RL scripts' flag checks call this, and
-    check_cpu_head_dim after their other checks: it imports vLLM, seconds)."""
+    """--vllm / --ray / --partial_rollout: the options that only make sense together (the RL scripts' flag checks call
+    this, and check_cpu_head_dim after their other checks: it imports vLLM, seconds)."""
+    if getattr(args, "partial_rollout", False):  # grpo.py's and ppo.py's
+        if not args.async_steps:
+            fail("--partial_rollout continues samples across weight syncs while the trainer updates: add "
+                 "--async_steps N (and --ray)")
+        if args.agent_func_path or args.agent_server:
+            fail("--partial_rollout samples one completion per request; an agent's episodes are not built on it "
+                 "(yet)")
+    if not (args.vllm or args.ray):  # --partial_rollout alone: --async_steps says it needs --ray
+        return
     if args.ray and args.vllm_tensor_parallel_size > 1:  # the actor receiving the broadcast needs a GPU of its own
         fail("--ray engines have one GPU each (--vllm_tensor_parallel_size 1): more engines, or --vllm with "
              "tensor parallelism")
@@ -216,7 +225,7 @@ class RayEngine(VLLMHost):
 
     def __init__(self, *host_args):  # VLLMHost's (args, vocab_size, tied_embeddings, seed); no engine yet
         self.host_args, self.version = host_args, 0  # version: the trainer step whose weights it holds
-        self.idle_s, self.idle_since = 0.0, None  # seconds not generating since the last batch handed over
+        self.idle_since = None  # when the last batch was handed over (not generating since)
 
     def place(self):
         """Where the actor runs: its GPU (None on a CPU) and its Ray node."""
@@ -237,9 +246,9 @@ class RayEngine(VLLMHost):
 
     def generate(self, prompts, **sampling):
         """-> (VLLMHost.generate's result, the weights' version, seconds the engine sat idle before it)."""
-        idle = self.idle_s + (time.time() - self.idle_since if self.idle_since else 0.0)
+        idle = time.time() - self.idle_since if self.idle_since else 0.0
         out = super().generate(prompts, **sampling), self.version, idle
-        self.idle_s, self.idle_since = 0.0, time.time()
+        self.idle_since = time.time()
         return out
 
     def receive(self, specs):

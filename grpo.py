@@ -985,7 +985,7 @@ def check_rl_options(args):
     for option in ("enable_prefix_caching", "enforce_eager", "vllm_gpu_memory_utilization"):
         if getattr(args, option) not in (None, False) and not (args.vllm or args.ray):
             fail(f"--{option} is a vLLM option: add --vllm or --ray")
-    if args.vllm or args.ray:
+    if args.vllm or args.ray or args.partial_rollout:
         import engines
         engines.check_options(args)
     if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
@@ -999,11 +999,6 @@ def check_rl_options(args):
     if args.async_steps and not args.ray:
         fail("--async_steps needs --ray: the next batch is generated while this process trains, which needs engines "
              "of their own (Ray actors); an in-process engine (--vllm) or HF generate shares the trainer's devices")
-    if args.partial_rollout and not args.async_steps:
-        fail("--partial_rollout continues samples across weight syncs while the trainer updates: add --async_steps N "
-             "(and --ray)")
-    if args.partial_rollout and (args.agent_func_path or args.agent_server):
-        fail("--partial_rollout samples one completion per request; an agent's episodes are not built on it (yet)")
     if args.vllm or args.ray or args.rollout_correction not in ("auto", "none") or \
             args.rollout_correction_bounds is not None:  # the engine's sampling corrected toward the trainer's policy
         import engines
@@ -1094,7 +1089,6 @@ def main():
     reward = reward_fn(args, tokenizer, cfg, client)  # f(batch) -> {"rewards", "scores", "logs"}
     start_step, state = common.load_checkpoint(actor, args, total_steps)
     engine = start_engine(args, actor.module, tokenizer, start_step)
-    # --async_steps N: the Ray engines sample the next batches while this process trains, on weights <= N updates old
     next_batch, release = batches(prompts, engine, n, args, state.get("prompt_cursor", 0), total_steps - start_step,
                                   tokenizer.eos_token_id)
     sample = lambda: sample_round(next_batch, reward, args)  # noqa: E731

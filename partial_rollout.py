@@ -22,6 +22,7 @@ no sample is dropped or generated again. Logged (engines.ray_logs): staleness_ma
 token_age, tokens_age_K, spanning_sync, engine_idle_s.
 """
 
+import itertools
 import queue
 import threading
 import time
@@ -56,7 +57,8 @@ class InflightEngine(engines.RayEngine):
     def start(self):
         super().start()
         self.commands, self.live, self.batches, self.error = queue.Queue(), {}, {}, None
-        self.idle_since, self.idle_told, self.lock = time.time(), 0.0, threading.Lock()  # idle_s: the loop's alone
+        self.idle_s, self.idle_told, self.lock = 0.0, 0.0, threading.Lock()  # idle_s: the loop's alone
+        self.idle_since = time.time()
         threading.Thread(target=self.loop, name="inflight-engine", daemon=True).start()
 
     def submit(self, batch, prompts, sampling):
@@ -167,14 +169,12 @@ class InflightEngines(engines.RayEngines):
 
     def __init__(self, args, model, tokenizer):
         super().__init__(args, model, tokenizer)
-        self.batches, self.lock = 0, threading.Lock()
+        self.batch_ids = itertools.count(1)  # next() is atomic: the Producer's threads each take their own
 
     def sample(self, records, temperature, max_new_tokens=None):
         """-> {"responses", "logprobs", "versions": each token's version, "version": the oldest, "idle_s"}."""
         engine = self.engines[dist.get_rank() % len(self.engines)]
-        with self.lock:
-            self.batches += 1
-            batch = f"{dist.get_rank()}.{self.batches}"
+        batch = f"{dist.get_rank()}.{next(self.batch_ids)}"
         limits = max_new_tokens or [self.args.generate_max_len] * len(records)
         self.answer(engine.submit.remote(batch, [torch.as_tensor(r["ids"]).tolist() for r in records],
                                          engines.vllm_sampling(self.eos, temperature, self.args.top_p, limits)))

@@ -883,7 +883,7 @@ def check_rl_options(args):
     for option in ("enable_prefix_caching", "enforce_eager", "vllm_gpu_memory_utilization"):
         if getattr(args, option) not in (None, False) and not (args.vllm or args.ray):
             fail(f"--{option} is a vLLM option: add --vllm or --ray")
-    if args.vllm or args.ray:
+    if args.vllm or args.ray or args.partial_rollout:
         import engines
         engines.check_options(args)
     if args.eval_n_samples_per_prompt > 1 and args.eval_temperature <= 0:
@@ -897,11 +897,6 @@ def check_rl_options(args):
     if args.async_steps and not args.ray:
         fail("--async_steps needs --ray: the next batch is generated while this process trains, which needs engines "
              "of their own (Ray actors); an in-process engine (--vllm) or HF generate shares the trainer's devices")
-    if args.partial_rollout and not args.async_steps:
-        fail("--partial_rollout continues samples across weight syncs while the trainer updates: add --async_steps N "
-             "(and --ray)")
-    if args.partial_rollout and (args.agent_func_path or args.agent_server):
-        fail("--partial_rollout samples one completion per request; an agent's episodes are not built on it (yet)")
     if args.vllm or args.ray or args.rollout_correction not in ("auto", "none") or \
             args.rollout_correction_bounds is not None:  # the engine's sampling corrected toward the trainer's policy
         import engines
@@ -980,7 +975,6 @@ def main():
     kl_coef = state.get("kl_coef", args.init_kl_coef)
     actor_version = lambda step: max(step - max(args.freezing_actor_steps, 0), 0)  # noqa: E731  (actor updates so far)
     engine = start_engine(args, actor.module, tokenizer, actor_version(start_step))
-    # --async_steps N: the Ray engines sample the next batches while this process trains, on weights <= N updates old
     next_batch, release = batches(prompts, engine, n, args, state.get("prompt_cursor", 0), total_steps - start_step,
                                   tokenizer.eos_token_id)
 
